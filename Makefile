@@ -1,0 +1,41 @@
+# The two commands of the README: `make book` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+export PYTHONHASHSEED := 0
+export OMP_NUM_THREADS := 2
+
+.PHONY: book test unit notebooks lint format captures clean
+
+$(VENV)/.ready: requirements-cpu.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+## the book: executes every notebook (CPU: interpreter and stored captures) and builds HTML
+book: $(VENV)/.ready
+	$(BIN)/jupyter-book build . -W -n --keep-going
+	@echo "open _build/html/index.html"
+
+## every test: unit tests, nbval over every notebook, the book with -W, ruff
+test: $(VENV)/.ready unit notebooks book lint
+
+unit: $(VENV)/.ready
+	$(BIN)/pytest -n 2 -q tests
+
+notebooks: $(VENV)/.ready
+	$(BIN)/pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env \
+	    --nbval-sanitize-with book/sanitize.cfg -p no:cacheprovider book
+
+lint: $(VENV)/.ready
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.ready
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf _build

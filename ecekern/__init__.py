@@ -1,0 +1,35 @@
+"""ecekern: an SO(2)-edge-frame equivariant interatomic potential, made fast on a GPU
+kernel by kernel.
+
+Glossary: N atoms, E edges (``src -> dst``), C channels, L = lmax, M = mmax,
+S = (L+1)^2 spherical components, n_ang = M+1 angular slots, F = 2C(L+1) feature rows,
+P angular slots of a packed layout.
+
+Quick start::
+
+    import ecekern
+    atoms = ecekern.systems.diamond(repeats=2)
+    model = ecekern.ECEModel(ecekern.ECEConfig())
+    energy, forces = ecekern.energy_and_forces(model, atoms)
+"""
+
+from . import options, reference, so3, systems
+from .graph import Graph, build_graph, neighbor_list
+from .linear import EquivariantLinear
+from .model import ECEConfig, ECEModel, energy_and_forces
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ECEConfig",
+    "ECEModel",
+    "EquivariantLinear",
+    "Graph",
+    "build_graph",
+    "energy_and_forces",
+    "neighbor_list",
+    "options",
+    "reference",
+    "so3",
+    "systems",
+]

@@ -1,0 +1,273 @@
+"""The model: an SO(3)-invariant potential with SO(2) convolutions in edge frames.
+
+``ECEModel(config)(positions, numbers, graph) -> energy`` runs the stages of
+DESIGN section 2 with the functions of :mod:`ecekern.reference` (or, when the options
+switch them on, their fast twins). Each stage runs inside a
+``torch.profiler.record_function("ece::<stage>")`` range, so a profile shows the time
+by stage. Forces are ``-dE/dx`` by autograd (:func:`energy_and_forces`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from . import reference, so3
+from .graph import Graph, build_graph, edge_vectors
+from .linear import EquivariantLinear
+
+__all__ = ["ECEConfig", "ECEModel", "energy_and_forces"]
+
+
+@dataclass(frozen=True)
+class ECEConfig:
+    """Hyper-parameters of :class:`ECEModel` (defaults: DESIGN section 2).
+
+    Attributes:
+        lmax: L, the largest degree (1..4 tested).
+        mmax: M <= L, the largest azimuthal order kept in the edge frame (None: L).
+        channels: C, channels per spherical component.
+        n_interactions: interaction layers.
+        n_gated: K, gated EquivariantLinear layers in each mixing stack.
+        cutoff: r_c in Angstrom.
+        n_rbf: Bessel radial basis functions.
+        radial_hidden: width of the radial MLP.
+        readout_hidden: width of the per-atom energy MLP.
+        avg_num_neighbors: k = 1/sqrt(avg_num_neighbors) normalises every neighbour sum
+            (diamond at 5 A has about 90).
+        species: the atomic numbers the model knows, in embedding order.
+        seed: the parameters are drawn from a generator seeded with this.
+    """
+
+    lmax: int = 2
+    mmax: int | None = None
+    channels: int = 32
+    n_interactions: int = 2
+    n_gated: int = 2
+    cutoff: float = 5.0
+    n_rbf: int = 8
+    radial_hidden: int = 64
+    readout_hidden: int = 32
+    avg_num_neighbors: float = 90.0
+    species: tuple[int, ...] = (1, 6, 7, 8)
+    seed: int = 0
+
+    def __post_init__(self):
+        def pos_int(name, lo=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"ECEConfig.{name} must be an int >= {lo}, got {v!r}")
+
+        for name in ("lmax", "channels", "n_rbf", "radial_hidden", "readout_hidden"):
+            pos_int(name)
+        for name in ("n_interactions", "n_gated"):
+            pos_int(name, 0)
+        if self.lmax > 6:
+            raise ValueError(f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)")
+        if self.mmax is not None and not (
+            isinstance(self.mmax, int) and 0 <= self.mmax <= self.lmax
+        ):
+            raise ValueError(f"ECEConfig.mmax must be in [0, lmax], got {self.mmax!r}")
+        if not (self.cutoff > 0 and math.isfinite(self.cutoff)):
+            raise ValueError(f"ECEConfig.cutoff must be positive, got {self.cutoff!r}")
+        if not self.avg_num_neighbors > 0:
+            raise ValueError("ECEConfig.avg_num_neighbors must be positive")
+        if len(self.species) == 0 or len(set(self.species)) != len(self.species):
+            raise ValueError("ECEConfig.species must be distinct atomic numbers")
+        object.__setattr__(self, "species", tuple(int(z) for z in self.species))
+
+    @property
+    def M(self) -> int:
+        return self.lmax if self.mmax is None else self.mmax
+
+    @property
+    def S(self) -> int:
+        return (self.lmax + 1) ** 2
+
+    @property
+    def n_ang(self) -> int:
+        return self.M + 1
+
+    @property
+    def F(self) -> int:
+        """Feature rows of the angular layout, 2C(L+1)."""
+        return 2 * self.channels * (self.lmax + 1)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.avg_num_neighbors)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Interaction(nn.Module):
+    def __init__(self, cfg: ECEConfig):
+        super().__init__()
+        F, n_ang, L, C = cfg.F, cfg.n_ang, cfg.lmax, cfg.channels
+        self.gated = nn.ModuleList(EquivariantLinear(F, F, n_ang) for _ in range(cfg.n_gated))
+        self.out = EquivariantLinear(F, C * (L + 1), n_ang)
+        self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
+
+
+def _silu_mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.SiLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class ECEModel(nn.Module):
+    """Energy of an atomic system (eV), invariant under rotations, translations,
+    permutations of atoms and the gauge of each edge frame.
+
+    ``forward(positions (N, 3), numbers (N,), graph) -> energy ()``.
+    """
+
+    def __init__(self, config: ECEConfig | None = None):
+        super().__init__()
+        cfg = config if config is not None else ECEConfig()
+        if not isinstance(cfg, ECEConfig):
+            raise TypeError(f"config must be an ECEConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        L, C = cfg.lmax, cfg.channels
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.embedding = nn.Embedding(len(cfg.species), C)
+            n_radial = L * C + cfg.n_interactions * cfg.F
+            self.radial = _silu_mlp([cfg.n_rbf, cfg.radial_hidden, cfg.radial_hidden, n_radial])
+            self.interactions = nn.ModuleList(_Interaction(cfg) for _ in range(cfg.n_interactions))
+            self.readout = _silu_mlp([C, cfg.readout_hidden, 1])
+            self.species_energy = nn.Parameter(torch.zeros(len(cfg.species)))
+        table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
+        table[list(cfg.species)] = torch.arange(len(cfg.species))
+        self.register_buffer("_species_index", table, persistent=False)
+
+    # ----------------------------------------------------------------------------------
+    def species_index(self, numbers: torch.Tensor) -> torch.Tensor:
+        """Atomic numbers ``(N,)`` to embedding rows; unknown elements are an error."""
+        if numbers.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"numbers must be an integer tensor, got {numbers.dtype}")
+        table = self._species_index
+        known = (numbers >= 0) & (numbers < table.shape[0])
+        idx = table[numbers.clamp(0, table.shape[0] - 1).long()]
+        if not bool((known & (idx >= 0)).all()):
+            bad = sorted(set(numbers[~(known & (idx >= 0))].tolist()))
+            raise ValueError(
+                f"atomic numbers {bad} are not among the model's species {self.config.species}"
+            )
+        return idx
+
+    def _check(self, positions: torch.Tensor, numbers: torch.Tensor, graph: Graph) -> None:
+        p = next(self.parameters())
+        if not isinstance(positions, torch.Tensor) or positions.ndim != 2 or positions.shape[1] != 3:
+            raise ValueError("positions must be a (N, 3) tensor")
+        if positions.dtype != p.dtype:
+            raise TypeError(
+                f"positions are {positions.dtype} but the model is {p.dtype}; "
+                f"use model.to({positions.dtype})"
+            )
+        if positions.device != p.device:
+            raise ValueError(f"positions are on {positions.device}, the model on {p.device}")
+        if numbers.shape != positions.shape[:1]:
+            raise ValueError(f"numbers must have shape ({positions.shape[0]},), got {tuple(numbers.shape)}")
+        if graph.n_nodes != positions.shape[0]:
+            raise ValueError(f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}")
+        for name in ("src", "dst", "shifts", "row_ptr"):
+            t = getattr(graph, name)
+            if t.device != positions.device:
+                raise ValueError(f"graph.{name} is on {t.device}, positions on {positions.device}")
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        numbers: torch.Tensor,
+        graph: Graph,
+        gauge: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Total energy. ``gauge (E,)``: optional extra rotation of each edge frame about
+        its axis (the energy must not change; tests use it)."""
+        return self.atom_energies(positions, numbers, graph, gauge).sum()
+
+    def atom_energies(self, positions, numbers, graph: Graph, gauge=None) -> torch.Tensor:
+        """Per-atom energies ``(N,)``."""
+        self._check(positions, numbers, graph)
+        cfg = self.config
+        L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
+        N = positions.shape[0]
+        species = self.species_index(numbers)
+        with record_function("ece::geometry"):
+            r = edge_vectors(positions, graph)
+            d = torch.linalg.vector_norm(r, dim=-1)
+            rbf = reference.radial_basis(d, cfg.n_rbf, cfg.cutoff)
+            radial = self.radial(rbf) * reference.envelope(d, cfg.cutoff)[:, None]
+            R0, rho = radial.split([L * C, cfg.n_interactions * cfg.F], dim=-1)
+        with record_function("ece::edge_frames"):
+            D = so3.edge_frames(L, r, gauge)  # (E, S, S)
+        with record_function("ece::gie"):
+            Z = reference.zonal_rows(D)
+            h_rest = reference.zonal_scatter(
+                Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k
+            )
+            h0 = self.embedding(species)[:, None, :]
+            h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
+        for layer, rho_t in zip(self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)):
+            with record_function("ece::rotate_and_select"):
+                x_cos, x_sin = reference.rotate_and_select(h, graph.src, graph.dst, D, M)
+            with record_function("ece::radial_modulation"):
+                x_cos, x_sin = x_cos * rho_t[:, :, None], x_sin * rho_t[:, :, None]
+            with record_function("ece::mixing_stack"):
+                u_cos, u_sin = x_cos, x_sin
+                for lin in layer.gated:
+                    z_cos, z_sin = lin(u_cos, u_sin)
+                    g_cos, g_sin = reference.gate(z_cos, z_sin)
+                    u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
+                y_cos, y_sin = layer.out(u_cos, u_sin)
+            with record_function("ece::pack_and_unrotate"):
+                msg = reference.pack_and_unrotate(y_cos, y_sin, D, M)
+            with record_function("ece::aggregate"):
+                delta = reference.aggregate(msg, graph.dst, N, k)
+            with record_function("ece::node_update"):
+                h = reference.node_update(h, delta, layer.node_weight)
+        with record_function("ece::readout"):
+            e = self.readout(h[:, 0, :]).squeeze(-1) + self.species_energy[species]
+        return e
+
+
+def energy_and_forces(
+    model: ECEModel,
+    atoms,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    create_graph: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Energy (eV, a 0-d tensor) and forces ``-dE/dx`` (eV/A, ``(N, 3)``) of ``atoms``.
+
+    Args:
+        model: an :class:`ECEModel`; it is moved to ``dtype`` and ``device`` in place
+            (as ``nn.Module.to`` does).
+        atoms: an ``ase.Atoms`` (positions in A, cell, pbc, atomic numbers).
+        dtype: float32 or float64.
+        device: where to compute.
+        create_graph: keep the graph of the forces (for a force-loss training step).
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if not isinstance(model, ECEModel):
+        raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
+    device = torch.device(device)
+    model.to(device=device, dtype=dtype)
+    positions = torch.tensor(atoms.get_positions(), dtype=dtype, device=device)
+    cell = torch.tensor(atoms.cell.array, dtype=dtype, device=device)
+    numbers = torch.tensor(atoms.get_atomic_numbers(), dtype=torch.long, device=device)
+    graph = build_graph(positions, cell, atoms.pbc, model.config.cutoff)
+    positions.requires_grad_(True)
+    energy = model(positions, numbers, graph)
+    if positions.shape[0] == 0:
+        return energy, torch.zeros_like(positions)
+    (grad,) = torch.autograd.grad(energy, positions, create_graph=create_graph)
+    return (energy if create_graph else energy.detach()), -grad
