@@ -6,7 +6,7 @@ An edge ``e`` is ``j -> i`` with ``src_e = j``, ``dst_e = i`` and integer cell s
 so the order is deterministic, and ``row_ptr (N+1,)`` delimits each destination's
 segment: the edges into atom ``n`` are ``row_ptr[n]:row_ptr[n+1]``.
 
-The neighbour search is the field's own library, vesin (``vesin.torch``: CPU and
+The neighbour search is the field's own library, vesin (``vesin_torch``: CPU and
 CUDA tensors). It is right for any cell, including cells shorter than twice the
 cutoff (several images of one atom), skewed cells and non-periodic directions.
 """
@@ -26,7 +26,9 @@ def _as_tensor(name, x, dtype=None, device=None) -> torch.Tensor:
         return x if dtype is None else x.to(dtype)
     if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)):
         return torch.as_tensor(np.asarray(x), dtype=dtype, device=device)
-    raise TypeError(f"{name} must be a torch.Tensor or array-like, got {type(x).__name__}")
+    raise TypeError(
+        f"{name} must be a torch.Tensor or array-like, got {type(x).__name__}"
+    )
 
 
 def _check_system(positions, cell, pbc, cutoff):
@@ -34,7 +36,9 @@ def _check_system(positions, cell, pbc, cutoff):
     if not positions.is_floating_point():
         raise TypeError(f"positions must be floating point, got {positions.dtype}")
     if positions.ndim != 2 or positions.shape[1] != 3:
-        raise ValueError(f"positions must have shape (N, 3), got {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must have shape (N, 3), got {tuple(positions.shape)}"
+        )
     cell = _as_tensor("cell", cell, dtype=positions.dtype, device=positions.device)
     if cell.shape != (3, 3):
         raise ValueError(f"cell must have shape (3, 3), got {tuple(cell.shape)}")
@@ -42,7 +46,10 @@ def _check_system(positions, cell, pbc, cutoff):
         raise ValueError(f"cell is on {cell.device}, positions on {positions.device}")
     if isinstance(pbc, (bool, np.bool_)):
         pbc = [bool(pbc)] * 3
-    pbc = [bool(p) for p in (pbc.tolist() if isinstance(pbc, torch.Tensor | np.ndarray) else pbc)]
+    pbc = [
+        bool(p)
+        for p in (pbc.tolist() if isinstance(pbc, torch.Tensor | np.ndarray) else pbc)
+    ]
     if len(pbc) != 3:
         raise ValueError(f"pbc must be a bool or three bools, got {pbc!r}")
     cutoff = float(cutoff)
@@ -55,7 +62,9 @@ def _check_system(positions, cell, pbc, cutoff):
             raise ValueError(f"direction {k} is periodic but cell vector {k} is zero")
     if any(pbc) and abs(float(torch.linalg.det(cell.double()))) < 1e-12:
         # vesin needs an invertible box when any direction is periodic
-        raise ValueError("cell is singular; give non-zero cell vectors for every direction")
+        raise ValueError(
+            "cell is singular; give non-zero cell vectors for every direction"
+        )
     return positions, cell, pbc, cutoff
 
 
@@ -74,7 +83,7 @@ def neighbor_list(positions, cell, pbc, cutoff: float):
         vector is ``positions[src] + shifts @ cell - positions[dst]``. Self pairs appear
         only through a non-zero shift (an atom and its own periodic image).
     """
-    from vesin.torch import NeighborList
+    from vesin_torch import NeighborList
 
     positions, cell, pbc, cutoff = _check_system(positions, cell, pbc, cutoff)
     device = positions.device
@@ -82,7 +91,11 @@ def neighbor_list(positions, cell, pbc, cutoff: float):
     if n == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.long, device=device)
-    box = cell.detach().double() if any(pbc) else torch.zeros_like(cell, dtype=torch.float64)
+    box = (
+        cell.detach().double()
+        if any(pbc)
+        else torch.zeros_like(cell, dtype=torch.float64)
+    )
     nl = NeighborList(cutoff=cutoff, full_list=True)
     i, j, S = nl.compute(
         positions.detach().double(),

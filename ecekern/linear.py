@@ -32,7 +32,9 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
     if path not in options.LINEAR_PATHS:
         raise ValueError(f"path must be one of {options.LINEAR_PATHS}, got {path!r}")
     if path not in _BUILT_PATHS and path != "auto":
-        options.fallback("equivariant_linear", f"path {path!r} is not built in this version")
+        options.fallback(
+            "equivariant_linear", f"path {path!r} is not built in this version"
+        )
     return reference.equivariant_linear(x_cos, x_sin, weight, bias)
 
 
@@ -52,12 +54,22 @@ class EquivariantLinear(nn.Module):
         path: str = "auto",
     ):
         super().__init__()
-        for name, v in (("in_features", in_features), ("out_features", out_features), ("n_ang", n_ang)):
+        for name, v in (
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("n_ang", n_ang),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if path not in options.LINEAR_PATHS:
-            raise ValueError(f"path must be one of {options.LINEAR_PATHS}, got {path!r}")
-        self.in_features, self.out_features, self.n_ang = in_features, out_features, n_ang
+            raise ValueError(
+                f"path must be one of {options.LINEAR_PATHS}, got {path!r}"
+            )
+        self.in_features, self.out_features, self.n_ang = (
+            in_features,
+            out_features,
+            n_ang,
+        )
         self.path = path
         self.weight = nn.Parameter(torch.empty(n_ang, out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None

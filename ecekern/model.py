@@ -67,7 +67,9 @@ class ECEConfig:
         for name in ("n_interactions", "n_gated"):
             pos_int(name, 0)
         if self.lmax > 6:
-            raise ValueError(f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)")
+            raise ValueError(
+                f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)"
+            )
         if self.mmax is not None and not (
             isinstance(self.mmax, int) and 0 <= self.mmax <= self.lmax
         ):
@@ -109,7 +111,9 @@ class _Interaction(nn.Module):
     def __init__(self, cfg: ECEConfig):
         super().__init__()
         F, n_ang, L, C = cfg.F, cfg.n_ang, cfg.lmax, cfg.channels
-        self.gated = nn.ModuleList(EquivariantLinear(F, F, n_ang) for _ in range(cfg.n_gated))
+        self.gated = nn.ModuleList(
+            EquivariantLinear(F, F, n_ang) for _ in range(cfg.n_gated)
+        )
         self.out = EquivariantLinear(F, C * (L + 1), n_ang)
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
 
@@ -139,8 +143,12 @@ class ECEModel(nn.Module):
             torch.manual_seed(cfg.seed)
             self.embedding = nn.Embedding(len(cfg.species), C)
             n_radial = L * C + cfg.n_interactions * cfg.F
-            self.radial = _silu_mlp([cfg.n_rbf, cfg.radial_hidden, cfg.radial_hidden, n_radial])
-            self.interactions = nn.ModuleList(_Interaction(cfg) for _ in range(cfg.n_interactions))
+            self.radial = _silu_mlp(
+                [cfg.n_rbf, cfg.radial_hidden, cfg.radial_hidden, n_radial]
+            )
+            self.interactions = nn.ModuleList(
+                _Interaction(cfg) for _ in range(cfg.n_interactions)
+            )
             self.readout = _silu_mlp([C, cfg.readout_hidden, 1])
             self.species_energy = nn.Parameter(torch.zeros(len(cfg.species)))
         table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
@@ -162,9 +170,15 @@ class ECEModel(nn.Module):
             )
         return idx
 
-    def _check(self, positions: torch.Tensor, numbers: torch.Tensor, graph: Graph) -> None:
+    def _check(
+        self, positions: torch.Tensor, numbers: torch.Tensor, graph: Graph
+    ) -> None:
         p = next(self.parameters())
-        if not isinstance(positions, torch.Tensor) or positions.ndim != 2 or positions.shape[1] != 3:
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.ndim != 2
+            or positions.shape[1] != 3
+        ):
             raise ValueError("positions must be a (N, 3) tensor")
         if positions.dtype != p.dtype:
             raise TypeError(
@@ -172,15 +186,23 @@ class ECEModel(nn.Module):
                 f"use model.to({positions.dtype})"
             )
         if positions.device != p.device:
-            raise ValueError(f"positions are on {positions.device}, the model on {p.device}")
+            raise ValueError(
+                f"positions are on {positions.device}, the model on {p.device}"
+            )
         if numbers.shape != positions.shape[:1]:
-            raise ValueError(f"numbers must have shape ({positions.shape[0]},), got {tuple(numbers.shape)}")
+            raise ValueError(
+                f"numbers must have shape ({positions.shape[0]},), got {tuple(numbers.shape)}"
+            )
         if graph.n_nodes != positions.shape[0]:
-            raise ValueError(f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}")
+            raise ValueError(
+                f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}"
+            )
         for name in ("src", "dst", "shifts", "row_ptr"):
             t = getattr(graph, name)
             if t.device != positions.device:
-                raise ValueError(f"graph.{name} is on {t.device}, positions on {positions.device}")
+                raise ValueError(
+                    f"graph.{name} is on {t.device}, positions on {positions.device}"
+                )
 
     def forward(
         self,
@@ -193,7 +215,9 @@ class ECEModel(nn.Module):
         its axis (the energy must not change; tests use it)."""
         return self.atom_energies(positions, numbers, graph, gauge).sum()
 
-    def atom_energies(self, positions, numbers, graph: Graph, gauge=None) -> torch.Tensor:
+    def atom_energies(
+        self, positions, numbers, graph: Graph, gauge=None
+    ) -> torch.Tensor:
         """Per-atom energies ``(N,)``."""
         self._check(positions, numbers, graph)
         cfg = self.config
@@ -215,9 +239,13 @@ class ECEModel(nn.Module):
             )
             h0 = self.embedding(species)[:, None, :]
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
-        for layer, rho_t in zip(self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)):
+        for layer, rho_t in zip(
+            self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
+        ):
             with record_function("ece::rotate_and_select"):
-                x_cos, x_sin = reference.rotate_and_select(h, graph.src, graph.dst, D, M)
+                x_cos, x_sin = reference.rotate_and_select(
+                    h, graph.src, graph.dst, D, M
+                )
             with record_function("ece::radial_modulation"):
                 x_cos, x_sin = x_cos * rho_t[:, :, None], x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):

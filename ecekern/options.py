@@ -49,7 +49,9 @@ class Options:
 
     def __post_init__(self):
         if self.linear not in LINEAR_PATHS:
-            raise ValueError(f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}")
+            raise ValueError(
+                f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"
+            )
         for f in fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"option {f.name} must be a bool")
@@ -70,7 +72,9 @@ def _from_environment(base: Options) -> Options:
         name = "ECEKERN_" + f.name.upper()
         if name in os.environ:
             raw = os.environ[name]
-            changes[f.name] = raw.strip() if f.name == "linear" else _parse_bool(name, raw)
+            changes[f.name] = (
+                raw.strip() if f.name == "linear" else _parse_bool(name, raw)
+            )
     return dataclasses.replace(base, **changes)
 
 

@@ -61,9 +61,13 @@ def _float(name: str, t) -> None:
 def _same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
     for name, t in others.items():
         if t.dtype != ref.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}"
+            )
         if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} is on {ref.device}"
+            )
 
 
 def check_csr(dst: torch.Tensor, row_ptr: torch.Tensor, n_edges: int, device) -> int:
@@ -123,7 +127,11 @@ def radial_basis(d: torch.Tensor, n_rbf: int, cutoff: float) -> torch.Tensor:
     """``(E,) -> (E, n_rbf)``: ``sqrt(2/rc) sin(n pi d / rc) / d`` times the envelope."""
     _float("d", d)
     n = torch.arange(1, n_rbf + 1, dtype=d.dtype, device=d.device)
-    b = math.sqrt(2.0 / cutoff) * torch.sin(n * math.pi * d[:, None] / cutoff) / d[:, None]
+    b = (
+        math.sqrt(2.0 / cutoff)
+        * torch.sin(n * math.pi * d[:, None] / cutoff)
+        / d[:, None]
+    )
     return b * envelope(d, cutoff)[:, None]
 
 
@@ -171,7 +179,9 @@ def zonal_scatter(
     E, L, C = R.shape
     S = (L + 1) ** 2
     if Z.shape != (E, S - 1):
-        raise ValueError(f"Z must have shape (E, S-1) = ({E}, {S - 1}), got {tuple(Z.shape)}")
+        raise ValueError(
+            f"Z must have shape (E, S-1) = ({E}, {S - 1}), got {tuple(Z.shape)}"
+        )
     n = check_csr(dst, row_ptr, E, Z.device)
     l_of_s = lm_tables(L).l_of_s[1:].to(Z.device)  # degrees 1..L of rows 1..S-1
     msg = Z[:, :, None] * R[:, l_of_s - 1, :]  # (E, S-1, C): the big tensor
@@ -208,7 +218,8 @@ def rotate_and_select(
     E, C2 = A_pad.shape[:2]
     x_cos = A_pad[:, :, t.cos_index.to(h.device)]  # (E, 2C, L+1, n_ang)
     x_sin = A_pad[:, :, t.sin_index.to(h.device)]
-    return x_cos.reshape(E, C2 * (L + 1), -1), x_sin.reshape(E, C2 * (L + 1), -1)
+    n_ang = t.n_ang
+    return x_cos.reshape(E, C2 * (L + 1), n_ang), x_sin.reshape(E, C2 * (L + 1), n_ang)
 
 
 # --------------------------------------------------------------------------------------
@@ -237,20 +248,26 @@ def equivariant_linear(
     _float("x_cos", x_cos)
     _same("x_cos", x_cos, x_sin=x_sin, weight=weight)
     if x_cos.shape != x_sin.shape:
-        raise ValueError(f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ")
+        raise ValueError(
+            f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
+        )
     if weight.ndim != 3 or x_cos.ndim < 2 or weight.shape[0] != x_cos.shape[-1]:
         raise ValueError(
             f"weight must be (n_ang, out, in) with n_ang = x.shape[-1]; got weight "
             f"{tuple(weight.shape)} for x {tuple(x_cos.shape)}"
         )
     if weight.shape[2] != x_cos.shape[-2]:
-        raise ValueError(f"weight expects in={weight.shape[2]}, x has {x_cos.shape[-2]}")
+        raise ValueError(
+            f"weight expects in={weight.shape[2]}, x has {x_cos.shape[-2]}"
+        )
     y_cos = torch.einsum("...im,moi->...om", x_cos, weight)
     y_sin = torch.einsum("...im,moi->...om", x_sin, weight)
     if bias is not None:
         _same("x_cos", x_cos, bias=bias)
         if bias.shape != weight.shape[1:2]:
-            raise ValueError(f"bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}"
+            )
         y_cos = torch.cat([(y_cos[..., 0] + bias)[..., None], y_cos[..., 1:]], dim=-1)
     return y_cos, y_sin
 
@@ -309,8 +326,8 @@ def pack_and_unrotate(
     Cp = y_cos.shape[1] // (L + 1)
     flat = torch.cat(
         [
-            y_cos.reshape(E, Cp, -1),
-            y_sin.reshape(E, Cp, -1),
+            y_cos.reshape(E, Cp, (L + 1) * t.n_ang),
+            y_sin.reshape(E, Cp, (L + 1) * t.n_ang),
             y_cos.new_zeros(E, Cp, 1),
         ],
         dim=-1,
@@ -327,7 +344,9 @@ def aggregate(
     return out.index_add_(0, dst, msg * scale)
 
 
-def node_update(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def node_update(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
     """``h + Delta_l @ W_l`` for each degree l (one ``(C, C)`` matrix per l, shared
     over m, like e3nn's ``o3.Linear``). ``weight (L+1, C, C)``."""
     S = h.shape[1]

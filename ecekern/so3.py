@@ -46,7 +46,9 @@ def _check_lmax(lmax: int) -> None:
     if isinstance(lmax, bool) or not isinstance(lmax, int) or lmax < 0:
         raise ValueError(f"lmax must be a non-negative int, got {lmax!r}")
     if lmax > 12:
-        raise ValueError(f"lmax={lmax} is beyond what this module is tested for (<= 12)")
+        raise ValueError(
+            f"lmax={lmax} is beyond what this module is tested for (<= 12)"
+        )
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -56,7 +58,7 @@ def _check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sh_norms(lmax: int) -> tuple[tuple[float, ...], ...]:
     """``N_lm * (sqrt 2 if m > 0)`` for ``0 <= m <= l``."""
     out = []
@@ -64,7 +66,10 @@ def _sh_norms(lmax: int) -> tuple[tuple[float, ...], ...]:
         row = []
         for m in range(l + 1):
             n = math.sqrt(
-                (2 * l + 1) / (4 * math.pi) * math.factorial(l - m) / math.factorial(l + m)
+                (2 * l + 1)
+                / (4 * math.pi)
+                * math.factorial(l - m)
+                / math.factorial(l + m)
             )
             row.append(n * (math.sqrt(2.0) if m > 0 else 1.0))
         out.append(tuple(row))
@@ -96,7 +101,9 @@ def spherical_harmonics(
     _check_lmax(lmax)
     _check_float("vectors", vectors)
     if vectors.shape[-1:] != (3,):
-        raise ValueError(f"vectors must have shape (..., 3), got {tuple(vectors.shape)}")
+        raise ValueError(
+            f"vectors must have shape (..., 3), got {tuple(vectors.shape)}"
+        )
     if normalize:
         vectors = vectors / torch.linalg.vector_norm(vectors, dim=-1, keepdim=True)
     x, y, z = vectors.unbind(-1)
@@ -128,7 +135,7 @@ def spherical_harmonics(
     return torch.stack(comps, dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fit_points(lmax: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Fixed sample directions P and, per degree, ``pinv(Y_l(P))`` in float64.
 
@@ -168,7 +175,9 @@ def wigner_D(lmax: int, rotation: torch.Tensor) -> torch.Tensor:
     _check_lmax(lmax)
     _check_float("rotation", rotation)
     if rotation.shape[-2:] != (3, 3):
-        raise ValueError(f"rotation must have shape (..., 3, 3), got {tuple(rotation.shape)}")
+        raise ValueError(
+            f"rotation must have shape (..., 3, 3), got {tuple(rotation.shape)}"
+        )
     pts, pinvs = _fit_points(lmax)
     pts = pts.to(device=rotation.device, dtype=rotation.dtype)
     rp = torch.einsum("...ij,nj->...ni", rotation, pts)  # (..., n, 3)
@@ -188,12 +197,18 @@ def _skew(v: torch.Tensor) -> torch.Tensor:
     x, y, z = v.unbind(-1)
     o = torch.zeros_like(x)
     return torch.stack(
-        [torch.stack([o, -z, y], -1), torch.stack([z, o, -x], -1), torch.stack([-y, x, o], -1)],
+        [
+            torch.stack([o, -z, y], -1),
+            torch.stack([z, o, -x], -1),
+            torch.stack([-y, x, o], -1),
+        ],
         -2,
     )
 
 
-def edge_rotations(vectors: torch.Tensor, gauge: torch.Tensor | None = None) -> torch.Tensor:
+def edge_rotations(
+    vectors: torch.Tensor, gauge: torch.Tensor | None = None
+) -> torch.Tensor:
     """A rotation ``R_e`` with ``R_e u_e = z`` for each edge vector, ``(E, 3) -> (E, 3, 3)``.
 
     The gauge (the free rotation about z after alignment) is the minimal rotation that
@@ -229,7 +244,11 @@ def edge_rotations(vectors: torch.Tensor, gauge: torch.Tensor | None = None) -> 
         cg, sg = torch.cos(gauge), torch.sin(gauge)
         o, one = torch.zeros_like(cg), torch.ones_like(cg)
         Rz = torch.stack(
-            [torch.stack([cg, -sg, o], -1), torch.stack([sg, cg, o], -1), torch.stack([o, o, one], -1)],
+            [
+                torch.stack([cg, -sg, o], -1),
+                torch.stack([sg, cg, o], -1),
+                torch.stack([o, o, one], -1),
+            ],
             -2,
         )
         R = Rz @ R
@@ -299,7 +318,7 @@ class LMTables:
         return f"LMTables(lmax={self.lmax}, mmax={self.mmax})"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lm_tables(lmax: int, mmax: int | None = None) -> LMTables:
     """Cached :class:`LMTables` for ``(lmax, mmax)``."""
     return LMTables(lmax, mmax)

@@ -29,5 +29,7 @@ def diamond(repeats: int = 4, rattle: float = 0.05, seed: int = 0):
         raise ValueError(f"rattle must be >= 0, got {rattle!r}")
     atoms = bulk("C", "diamond", a=DIAMOND_A, cubic=True).repeat(repeats)
     rng = np.random.default_rng(seed)
-    atoms.positions = atoms.positions + rng.normal(scale=rattle, size=atoms.positions.shape)
+    atoms.positions = atoms.positions + rng.normal(
+        scale=rattle, size=atoms.positions.shape
+    )
     return atoms

@@ -1,0 +1,146 @@
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.neighborlist import neighbor_list as ase_neighbor_list
+
+import ecekern
+from ecekern.graph import build_graph, csr_row_ptr, edge_vectors
+
+
+def _as_set(src, dst, shifts):
+    return set(zip(src.tolist(), dst.tolist(), map(tuple, shifts.tolist())))
+
+
+def _cells():
+    rng = np.random.default_rng(0)
+    yield "diamond 2x2x2 (cell < 2 rc)", ecekern.systems.diamond(2), 5.0
+    yield (
+        "tiny skewed triclinic",
+        Atoms(
+            "C3",
+            positions=rng.random((3, 3)) * 2,
+            cell=[[2.0, 0, 0], [0.9, 2.2, 0], [0.3, -0.6, 1.9]],
+            pbc=True,
+        ),
+        4.5,
+    )
+    yield (
+        "one atom, its own images",
+        Atoms("C", positions=[[0.1, 0.2, 0.3]], cell=np.eye(3) * 1.7, pbc=True),
+        3.0,
+    )
+    yield (
+        "slab: z not periodic",
+        Atoms(
+            "C6",
+            positions=rng.random((6, 3)) * 4,
+            cell=[[4.0, 0, 0], [1.5, 3.5, 0], [0, 0, 9]],
+            pbc=[True, True, False],
+        ),
+        3.2,
+    )
+    yield (
+        "wire: only x periodic",
+        Atoms(
+            "C5",
+            positions=rng.random((5, 3)) * 3,
+            cell=[[3.0, 0, 0], [0, 8, 0], [0, 0, 8]],
+            pbc=[True, False, False],
+        ),
+        2.9,
+    )
+    yield (
+        "molecule, no cell",
+        Atoms("C7", positions=rng.random((7, 3)) * 3, pbc=False),
+        2.5,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, atoms, rc", list(_cells()), ids=[c[0] for c in _cells()]
+)
+def test_neighbor_list_equals_ase(name, atoms, rc):
+    i, j, S = ase_neighbor_list("ijS", atoms, rc)
+    expected = set(zip(j.tolist(), i.tolist(), map(tuple, S.tolist())))
+    src, dst, shifts = ecekern.neighbor_list(
+        torch.tensor(atoms.positions), torch.tensor(atoms.cell.array), atoms.pbc, rc
+    )
+    assert src.dtype == dst.dtype == shifts.dtype == torch.int64
+    assert _as_set(src, dst, shifts) == expected
+    assert len(src) == len(expected)  # no duplicates
+    assert bool((dst[1:] >= dst[:-1]).all())
+    # the edge vectors are shorter than the cutoff
+    pos = torch.tensor(atoms.positions)
+    g = build_graph(pos, torch.tensor(atoms.cell.array), atoms.pbc, rc)
+    if g.n_edges:
+        assert edge_vectors(pos, g).norm(dim=-1).max() < rc
+
+
+def test_numpy_inputs_and_float32():
+    atoms = ecekern.systems.diamond(2)
+    a = ecekern.neighbor_list(atoms.positions, atoms.cell.array, True, 3.0)
+    b = ecekern.neighbor_list(
+        torch.tensor(atoms.positions, dtype=torch.float32),
+        atoms.cell.array,
+        [True] * 3,
+        3.0,
+    )
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_order_is_deterministic_and_csr_matches():
+    atoms = ecekern.systems.diamond(2, seed=3)
+    pos = torch.tensor(atoms.positions)
+    g1 = build_graph(pos, torch.tensor(atoms.cell.array), True, 5.0)
+    g2 = build_graph(pos.clone(), torch.tensor(atoms.cell.array), True, 5.0)
+    assert torch.equal(g1.src, g2.src) and torch.equal(g1.shifts, g2.shifts)
+    counts = torch.bincount(g1.dst, minlength=len(atoms))
+    assert torch.equal(g1.row_ptr[1:] - g1.row_ptr[:-1], counts)
+    assert g1.row_ptr[0] == 0 and g1.row_ptr[-1] == g1.n_edges
+
+
+def test_csr_row_ptr_with_empty_nodes():
+    dst = torch.tensor([0, 0, 2, 2, 2, 5])
+    assert csr_row_ptr(dst, 7).tolist() == [0, 2, 2, 5, 5, 5, 6, 6]
+
+
+def test_empty_and_isolated():
+    src, dst, shifts = ecekern.neighbor_list(
+        torch.zeros(0, 3), torch.eye(3) * 5, True, 2.0
+    )
+    assert src.shape == (0,) and shifts.shape == (0, 3)
+    far = torch.tensor([[0.0, 0, 0], [10.0, 0, 0]])
+    src, dst, _ = ecekern.neighbor_list(far, torch.zeros(3, 3), False, 2.0)
+    assert len(src) == 0
+
+
+def test_standard_systems():
+    atoms = ecekern.systems.diamond(4)
+    assert len(atoms) == 512 and atoms.pbc.all()
+    again = ecekern.systems.diamond(4)
+    assert np.array_equal(atoms.positions, again.positions)
+    other = ecekern.systems.diamond(4, seed=1)
+    assert not np.array_equal(atoms.positions, other.positions)
+    src, _, _ = ecekern.neighbor_list(atoms.positions, atoms.cell.array, True, 5.0)
+    assert 44_000 < len(src) < 48_000
+    with pytest.raises(ValueError):
+        ecekern.systems.diamond(0)
+
+
+@pytest.mark.parametrize(
+    "args, err",
+    [
+        ((torch.zeros(4, 2), torch.eye(3), True, 2.0), ValueError),
+        ((torch.zeros(4, 3, dtype=torch.long), torch.eye(3), True, 2.0), TypeError),
+        ((torch.zeros(4, 3), torch.eye(2), True, 2.0), ValueError),
+        ((torch.zeros(4, 3), torch.zeros(3, 3), True, 2.0), ValueError),
+        ((torch.zeros(4, 3), torch.eye(3), [True, True], 2.0), ValueError),
+        ((torch.zeros(4, 3), torch.eye(3), True, -1.0), ValueError),
+        ((torch.full((4, 3), float("nan")), torch.eye(3), True, 2.0), ValueError),
+        (("positions", torch.eye(3), True, 2.0), TypeError),
+    ],
+)
+def test_bad_inputs(args, err):
+    with pytest.raises(err):
+        ecekern.neighbor_list(*args)

@@ -1,0 +1,238 @@
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+
+import ecekern
+from ecekern.graph import build_graph
+from ecekern.testing import random_rotation, rel_err, rotated_atoms
+
+SMALL = ecekern.ECEConfig(channels=6, radial_hidden=16, readout_hidden=8)
+G = lambda s: torch.Generator().manual_seed(s)
+
+
+def _model(cfg=SMALL):
+    return ecekern.ECEModel(cfg).double()
+
+
+def _inputs(atoms, cutoff=5.0):
+    pos = torch.tensor(atoms.positions)
+    graph = build_graph(pos, torch.tensor(atoms.cell.array), atoms.pbc, cutoff)
+    return pos, torch.tensor(atoms.numbers), graph
+
+
+@pytest.fixture(scope="module")
+def box():
+    return ecekern.systems.diamond(1, rattle=0.1, seed=2)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SMALL,
+        ecekern.ECEConfig(lmax=1, channels=4, radial_hidden=8, readout_hidden=4),
+        ecekern.ECEConfig(
+            lmax=3, mmax=2, channels=4, radial_hidden=8, readout_hidden=4
+        ),
+        ecekern.ECEConfig(
+            lmax=4, mmax=1, channels=3, n_gated=1, radial_hidden=8, readout_hidden=4
+        ),
+    ],
+    ids=["L2M2", "L1M1", "L3M2", "L4M1"],
+)
+def test_rotation_invariance_and_force_equivariance(box, cfg):
+    model = _model(cfg)
+    e, f = ecekern.energy_and_forces(model, box)
+    for seed in range(2):
+        R = random_rotation(G(seed))
+        e_r, f_r = ecekern.energy_and_forces(model, rotated_atoms(box, R))
+        assert rel_err(e_r, e) < 1e-10
+        assert rel_err(f_r, f @ R.T) < 1e-10
+
+
+def test_translation_and_permutation_invariance(box):
+    model = _model()
+    e, f = ecekern.energy_and_forces(model, box)
+    moved = box.copy()
+    moved.positions = box.positions + np.array([0.7, -2.3, 11.0])
+    e_t, f_t = ecekern.energy_and_forces(model, moved)
+    assert rel_err(e_t, e) < 1e-10 and rel_err(f_t, f) < 1e-10
+    perm = np.random.default_rng(0).permutation(len(box))
+    e_p, f_p = ecekern.energy_and_forces(model, box[perm])
+    assert rel_err(e_p, e) < 1e-10 and rel_err(f_p, f[perm]) < 1e-10
+
+
+def test_gauge_invariance(box):
+    model = _model()
+    pos, numbers, graph = _inputs(box)
+    e0 = model(pos, numbers, graph)
+    for seed in range(3):
+        gauge = (
+            2
+            * torch.pi
+            * torch.rand(graph.n_edges, generator=G(seed), dtype=torch.float64)
+        )
+        assert rel_err(model(pos, numbers, graph, gauge=gauge), e0) < 1e-10
+
+
+def test_forces_are_minus_the_energy_gradient(box):
+    model = _model()
+    e, f = ecekern.energy_and_forces(model, box)
+    pos, numbers, graph = _inputs(box)  # graph fixed: no edge crosses the cutoff
+    h = 1e-5
+    rng = np.random.default_rng(1)
+    for atom, axis in zip(rng.integers(0, len(box), 4), rng.integers(0, 3, 4)):
+        dx = torch.zeros_like(pos)
+        dx[atom, axis] = h
+        with torch.no_grad():
+            fd = -(
+                model(pos + dx, numbers, graph) - model(pos - dx, numbers, graph)
+            ) / (2 * h)
+        assert abs(float(fd - f[atom, axis])) < 1e-7 * max(1.0, float(f.abs().max()))
+
+
+def test_force_loss_training_step_double_backward(box):
+    model = _model()
+    target = torch.zeros(len(box), 3, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    e, f = ecekern.energy_and_forces(model, box, create_graph=True)
+    loss = ((f - target) ** 2).mean() + 1e-3 * e**2
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    # the interaction weights get gradient only through the forces' graph
+    assert model.interactions[0].gated[0].weight.grad.abs().max() > 0
+    before = loss.item()
+    opt.step()
+    model.zero_grad()
+    e, f = ecekern.energy_and_forces(model, box, create_graph=True)
+    after = (((f - target) ** 2).mean() + 1e-3 * e**2).item()
+    assert after < before
+
+
+def test_gradgradcheck_tiny_system():
+    cfg = ecekern.ECEConfig(
+        channels=2, radial_hidden=4, readout_hidden=2, n_gated=1, cutoff=3.0
+    )
+    model = _model(cfg)
+    rng = np.random.default_rng(3)
+    atoms = Atoms("CHC", positions=rng.random((3, 3)) * 1.5, pbc=False)
+    pos, numbers, graph = _inputs(atoms, cutoff=3.0)
+    assert graph.n_edges == 6
+    f = lambda x: model(x, numbers, graph)
+    x = pos.clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
+def test_empty_system_and_isolated_atoms():
+    model = _model()
+    e, f = ecekern.energy_and_forces(model, Atoms(cell=np.eye(3) * 10, pbc=True))
+    assert e.item() == 0 and f.shape == (0, 3)
+    lonely = Atoms("CO", positions=[[0, 0, 0], [20, 0, 0]], pbc=False)
+    e, f = ecekern.energy_and_forces(model, lonely)
+    assert torch.isfinite(e) and f.abs().max() == 0
+    one = Atoms("C", positions=[[0, 0, 0]], pbc=False)
+    e1, _ = ecekern.energy_and_forces(model, one)
+    # an isolated atom's energy does not depend on what is far away
+    assert (
+        rel_err(
+            e,
+            e1 + ecekern.energy_and_forces(model, Atoms("O", positions=[[0, 0, 0]]))[0],
+        )
+        < 1e-12
+    )
+
+
+def test_parameters_are_seeded():
+    a, b = ecekern.ECEModel(SMALL), ecekern.ECEModel(SMALL)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = ecekern.ECEModel(
+        ecekern.ECEConfig(channels=6, radial_hidden=16, readout_hidden=8, seed=1)
+    )
+    assert not torch.equal(a.readout[0].weight, c.readout[0].weight)
+
+
+def test_float32_agrees_with_float64(box):
+    model = _model()
+    e64, f64 = ecekern.energy_and_forces(model, box)
+    e32, f32 = ecekern.energy_and_forces(model, box, dtype=torch.float32)
+    assert e32.dtype == torch.float32
+    assert rel_err(e32, e64) < 1e-5 and rel_err(f32, f64) < 1e-3
+
+
+def test_bad_inputs(box):
+    model = _model()
+    pos, numbers, graph = _inputs(box)
+    with pytest.raises(ValueError, match="species"):
+        model(pos, torch.full_like(numbers, 92), graph)
+    with pytest.raises(TypeError, match="float32"):
+        model(pos.float(), numbers, graph)
+    with pytest.raises(ValueError, match="numbers"):
+        model(pos, numbers[:-1], graph)
+    with pytest.raises(ValueError, match="nodes"):
+        model(pos[:-1], numbers[:-1], graph)
+    with pytest.raises(TypeError):
+        model(pos, numbers.double(), graph)
+    with pytest.raises(TypeError):
+        ecekern.energy_and_forces(model, box, dtype=torch.int64)
+    with pytest.raises(TypeError):
+        ecekern.ECEModel({"lmax": 2})
+    for bad in (
+        dict(lmax=0),
+        dict(mmax=3),
+        dict(channels=0),
+        dict(cutoff=-1.0),
+        dict(species=(6, 6)),
+    ):
+        with pytest.raises(ValueError):
+            ecekern.ECEConfig(**bad)
+
+
+def test_fast_path_request_falls_back_loudly(box):
+    model = _model()
+    ecekern.options.reset_fallback_warnings()
+    with ecekern.options.use(linear="triton"):
+        with pytest.warns(ecekern.options.FallbackWarning, match="not built"):
+            e, _ = ecekern.energy_and_forces(model, box)
+    e_ref, _ = ecekern.energy_and_forces(model, box)
+    assert rel_err(e, e_ref) == 0
+
+
+def test_options_environment_override(monkeypatch):
+    from ecekern import options
+
+    monkeypatch.setenv("ECEKERN_FUSED_SCATTER", "1")
+    monkeypatch.setenv("ECEKERN_LINEAR", "dense")
+    o = options._from_environment(options.Options())
+    assert o.fused_scatter is True and o.linear == "dense"
+    monkeypatch.setenv("ECEKERN_PACKED_D", "maybe")
+    with pytest.raises(ValueError):
+        options._from_environment(options.Options())
+    with pytest.raises(ValueError):
+        options.Options(linear="fast")
+
+
+@pytest.mark.gpu
+def test_cuda_agrees_with_cpu_float64():
+    atoms = ecekern.systems.diamond(2, seed=5)
+    model = _model(ecekern.ECEConfig())
+    e_cpu, f_cpu = ecekern.energy_and_forces(model, atoms)
+    e_gpu, f_gpu = ecekern.energy_and_forces(model, atoms, device="cuda")
+    assert e_gpu.device.type == "cuda"
+    assert rel_err(e_gpu, e_cpu) < 1e-12 and rel_err(f_gpu, f_cpu) < 1e-10
+    e32, f32 = ecekern.energy_and_forces(
+        model, atoms, dtype=torch.float32, device="cuda"
+    )
+    assert rel_err(e32, e_cpu) < 1e-4 and rel_err(f32, f_cpu) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_matches_on_gpu_neighbor_list():
+    atoms = ecekern.systems.diamond(3, seed=1)
+    pos = torch.tensor(atoms.positions)
+    cpu = ecekern.neighbor_list(pos, atoms.cell.array, True, 5.0)
+    gpu = ecekern.neighbor_list(
+        pos.cuda(), torch.tensor(atoms.cell.array).cuda(), True, 5.0
+    )
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
