@@ -20,7 +20,7 @@ from . import reference, so3
 from .graph import Graph, build_graph, edge_vectors
 from .linear import EquivariantLinear
 
-__all__ = ["ECEConfig", "ECEModel", "energy_and_forces"]
+__all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,32 @@ class ECEModel(nn.Module):
         return e
 
 
+def prepare_inputs(atoms, cutoff: float, dtype=torch.float64, device="cpu"):
+    """``(positions (N, 3), numbers (N,), graph)`` of an ``ase.Atoms`` on ``device``."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    device = torch.device(device)
+    positions = torch.tensor(atoms.get_positions(), dtype=dtype, device=device)
+    cell = torch.tensor(atoms.cell.array, dtype=dtype, device=device)
+    numbers = torch.tensor(atoms.get_atomic_numbers(), dtype=torch.long, device=device)
+    graph = build_graph(positions, cell, atoms.pbc, cutoff)
+    return positions, numbers, graph
+
+
+def force_step(model, positions, numbers, graph, create_graph: bool = False):
+    """One force evaluation on a prepared graph: ``(energy, forces = -dE/dx)``.
+
+    ``model`` is any module with ``model(positions, numbers, graph) -> energy`` (the
+    peers of chapter 1 too). ``positions`` is not modified.
+    """
+    x = positions.detach().requires_grad_(True)
+    energy = model(x, numbers, graph)
+    if x.shape[0] == 0:
+        return energy, torch.zeros_like(x)
+    (grad,) = torch.autograd.grad(energy, x, create_graph=create_graph)
+    return (energy if create_graph else energy.detach()), -grad
+
+
 def energy_and_forces(
     model: ECEModel,
     atoms,
@@ -283,19 +309,10 @@ def energy_and_forces(
         device: where to compute.
         create_graph: keep the graph of the forces (for a force-loss training step).
     """
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if not isinstance(model, ECEModel):
         raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
-    device = torch.device(device)
-    model.to(device=device, dtype=dtype)
-    positions = torch.tensor(atoms.get_positions(), dtype=dtype, device=device)
-    cell = torch.tensor(atoms.cell.array, dtype=dtype, device=device)
-    numbers = torch.tensor(atoms.get_atomic_numbers(), dtype=torch.long, device=device)
-    graph = build_graph(positions, cell, atoms.pbc, model.config.cutoff)
-    positions.requires_grad_(True)
-    energy = model(positions, numbers, graph)
-    if positions.shape[0] == 0:
-        return energy, torch.zeros_like(positions)
-    (grad,) = torch.autograd.grad(energy, positions, create_graph=create_graph)
-    return (energy if create_graph else energy.detach()), -grad
+    positions, numbers, graph = prepare_inputs(
+        atoms, model.config.cutoff, dtype, device
+    )
+    model.to(device=positions.device, dtype=dtype)
+    return force_step(model, positions, numbers, graph, create_graph)

@@ -236,3 +236,18 @@ def test_cuda_graph_matches_on_gpu_neighbor_list():
         pos.cuda(), torch.tensor(atoms.cell.array).cuda(), True, 5.0
     )
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+def test_e3nn_peer_is_invariant(box):
+    pytest.importorskip("e3nn")
+    from ecekern.model import force_step, prepare_inputs
+    from ecekern.peers import E3nnConvModel
+
+    peer = E3nnConvModel(SMALL).double()
+    pos, numbers, graph = prepare_inputs(box, SMALL.cutoff)
+    e, f = force_step(peer, pos, numbers, graph)
+    R = random_rotation(G(9))
+    pos_r, numbers_r, graph_r = prepare_inputs(rotated_atoms(box, R), SMALL.cutoff)
+    e_r, f_r = force_step(peer, pos_r, numbers_r, graph_r)
+    assert rel_err(e_r, e) < 1e-10 and rel_err(f_r, f @ R.T) < 1e-10
+    assert f.abs().max() > 0

@@ -1,0 +1,209 @@
+"""The benchmark harness: event timings, peak memory, rooflines and provenance.
+
+Timing follows METHOD.md: warm-up excluded, the L2 cache flushed before every timed
+call, device events around the region, the median and the 10th/90th percentiles of
+many repetitions (``triton.testing.do_bench`` on CUDA). On a CPU the same function
+uses ``time.perf_counter`` so notebooks and tests can exercise it anywhere; such rows
+say ``cpu`` in the device column and are never mixed with GPU captures.
+
+Every row written by :func:`write_csv` carries its provenance: device, driver, torch,
+triton, the ecekern commit, the dtype (``float32+tf32`` when TF32 is on), the date and
+the command.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CEILINGS_H200",
+    "Timing",
+    "dtype_label",
+    "floor_ms",
+    "peak_memory",
+    "provenance",
+    "set_tf32",
+    "time_fn",
+    "write_csv",
+]
+
+#: Our measured H200 ceilings (book/captures/methodology): filled in by
+#: ``ceilings()`` from the capture when present; these are the fallbacks.
+CEILINGS_H200 = {
+    "copy_GBps": 4300.0,
+    "fp32_TFLOPs": 60.0,
+    "tf32_TFLOPs": 400.0,
+    "bf16_TFLOPs": 790.0,
+}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds: median and the 10th and 90th percentiles over ``n`` runs."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_fn(fn, warmup_ms: float = 50.0, rep_ms: float = 300.0, device=None) -> Timing:
+    """Time ``fn()``: warm-up excluded, L2 flushed (CUDA), median and p10/p90 in ms."""
+    device = (
+        torch.device(device)
+        if device is not None
+        else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        )
+    )
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    else:
+        t_end = time.perf_counter() + warmup_ms / 1e3
+        fn()
+        while time.perf_counter() < t_end:
+            fn()
+        times, t_end = [], time.perf_counter() + rep_ms / 1e3
+        while time.perf_counter() < t_end or len(times) < 3:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(
+        statistics.median(times),
+        _quantile(times, 0.1),
+        _quantile(times, 0.9),
+        len(times),
+    )
+
+
+def peak_memory(fn) -> float:
+    """Peak CUDA memory allocated while ``fn()`` runs, in bytes (NaN on a CPU)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated() - base)
+
+
+def set_tf32(enabled: bool) -> None:
+    """The one process-wide TF32 switch of the benchmark and capture commands."""
+    torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
+    torch.backends.cudnn.allow_tf32 = bool(enabled)
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """``float32+tf32`` when TF32 is on for a float32 run; warns for float64 + TF32."""
+    name = str(dtype).replace("torch.", "")
+    if torch.backends.cuda.matmul.allow_tf32:
+        if dtype == torch.float64:
+            warnings.warn(
+                "TF32 is on but the dtype is float64: TF32 does not apply", stacklevel=2
+            )
+        elif dtype == torch.float32:
+            return name + "+tf32"
+    return name
+
+
+def floor_ms(
+    bytes_moved: float,
+    flops: float = 0.0,
+    bandwidth_GBps: float | None = None,
+    flops_TF: float | None = None,
+) -> float:
+    """The roofline floor: ``max(bytes / bandwidth, flops / rate)`` in ms."""
+    bw = bandwidth_GBps or CEILINGS_H200["copy_GBps"]
+    t_mem = bytes_moved / (bw * 1e9) * 1e3
+    t_flop = flops / (flops_TF * 1e12) * 1e3 if flops_TF else 0.0
+    return max(t_mem, t_flop)
+
+
+def _git_commit() -> str:
+    if os.environ.get("ECEKERN_COMMIT"):
+        return os.environ["ECEKERN_COMMIT"]
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except Exception:
+        return "none"
+
+
+def provenance(dtype: torch.dtype | None = None, command: str | None = None) -> dict:
+    """Where a number came from: device, driver, versions, commit, dtype, date, command."""
+    import triton
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "driver": _driver() if cuda else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": _git_commit(),
+        "dtype": dtype_label(dtype) if dtype is not None else "",
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command
+        if command is not None
+        else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
+    """Write rows (dicts with the same keys, in order) as CSV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in keys})
+    return path

@@ -1,0 +1,65 @@
+"""Captures: what a GPU run measured, stored in ``book/captures/<chapter>/``.
+
+A capture folder holds benchmark CSVs (one schema, provenance on every row),
+``torch.profiler`` tables, Nsight Compute metric CSVs and a ``manifest.json``. One
+command regenerates a chapter's captures on a GPU and packs them as one archive::
+
+    python -m ecekern.captures methodology 01_einsum_reference --out /tmp/caps
+
+The notebooks read captures through :func:`load` and plot them; they never type a
+measured number by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+__all__ = ["Capture", "capture_root", "load"]
+
+
+def capture_root() -> Path:
+    """``$ECEKERN_CAPTURES`` if set, else ``book/captures`` of this checkout."""
+    env = os.environ.get("ECEKERN_CAPTURES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "book" / "captures"
+
+
+def _num(v: str):
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+
+
+class Capture:
+    """One chapter's capture folder."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not (self.path / "manifest.json").is_file():
+            raise FileNotFoundError(f"no capture manifest in {self.path}")
+        self.manifest = json.loads((self.path / "manifest.json").read_text())
+
+    def csv(self, name: str) -> list[dict]:
+        """Rows of ``<name>.csv`` as dicts, numbers converted."""
+        with (self.path / f"{name}.csv").open(newline="") as fh:
+            return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+
+    def text(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def files(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir())
+
+    def __repr__(self) -> str:
+        return f"Capture({self.path.name!r}, {len(self.files())} files)"
+
+
+def load(chapter: str, root: str | os.PathLike | None = None) -> Capture:
+    """The capture of ``chapter`` (e.g. ``"01_einsum_reference"``)."""
+    return Capture(Path(root) if root else capture_root() / chapter)

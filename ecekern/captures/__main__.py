@@ -1,0 +1,68 @@
+"""``python -m ecekern.captures CHAPTER [CHAPTER ...] --out DIR [--quick]``.
+
+Runs each chapter's capture on the GPU, writes ``DIR/<chapter>/`` (CSVs, profiler
+tables, ncu metrics, ``manifest.json``) and packs everything as
+``DIR/captures.tar.gz``: copy it back and unpack it into ``book/captures``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+from . import chapters
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ecekern.captures")
+    ap.add_argument("chapters", nargs="+", choices=sorted(chapters.REGISTRY))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    ap.add_argument("--no-ncu", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("captures need a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    failed = []
+    for name in args.chapters:
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        try:
+            info = chapters.REGISTRY[name](d, quick=args.quick, ncu=not args.no_ncu)
+            status = "ok"
+        except Exception:
+            traceback.print_exc()
+            info, status = {}, "failed"
+            failed.append(name)
+        from ..bench import provenance
+
+        manifest = {
+            "chapter": name,
+            "status": status,
+            "quick": args.quick,
+            "seconds": round(time.time() - t0, 1),
+            "provenance": provenance(
+                command="python -m ecekern.captures " + " ".join(argv or sys.argv[1:])
+            ),
+            "files": sorted(p.name for p in d.iterdir()),
+            **info,
+        }
+        (d / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        print(f"[captures] {name}: {status} in {manifest['seconds']} s", flush=True)
+    with tarfile.open(out / "captures.tar.gz", "w:gz") as tar:
+        for name in args.chapters:
+            tar.add(out / name, arcname=name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
