@@ -144,9 +144,8 @@ def zonal_rows(D: torch.Tensor) -> torch.Tensor:
     S = D.shape[-1]
     L = math.isqrt(S) - 1
     t = lm_tables(L)
-    rows = t.m0_rows.to(D.device)
-    cols = torch.arange(S, device=D.device)
-    return D[:, rows, cols][:, 1:]
+    rows = t.m0_rows.to(D.device).reshape(1, 1, S).expand(D.shape[0], 1, S)
+    return torch.gather(D, 1, rows)[:, 0, 1:]
 
 
 def zonal_scatter(
@@ -216,9 +215,13 @@ def rotate_and_select(
     A_loc = torch.matmul(D, A)  # (E, S, 2C)
     A_pad = nnf.pad(A_loc.transpose(1, 2), (0, 1))  # (E, 2C, S+1), zero column at S
     E, C2 = A_pad.shape[:2]
-    x_cos = A_pad[:, :, t.cos_index.to(h.device)]  # (E, 2C, L+1, n_ang)
-    x_sin = A_pad[:, :, t.sin_index.to(h.device)]
     n_ang = t.n_ang
+    # torch.gather, not advanced indexing: its backward is a scatter-add, where
+    # advanced indexing's backward is a sort-based index_put (measured: 40% of the step)
+    idx_cos = t.cos_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
+    idx_sin = t.sin_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
+    x_cos = torch.gather(A_pad, 2, idx_cos)  # (E, 2C, (L+1) n_ang)
+    x_sin = torch.gather(A_pad, 2, idx_sin)
     return x_cos.reshape(E, C2 * (L + 1), n_ang), x_sin.reshape(E, C2 * (L + 1), n_ang)
 
 
@@ -332,7 +335,8 @@ def pack_and_unrotate(
         ],
         dim=-1,
     )  # (E, C', 2 (L+1) n_ang + 1)
-    loc = flat[:, :, t.pack_index.to(D.device)]  # (E, C', S)
+    idx = t.pack_index.reshape(1, 1, -1).to(D.device).expand(E, Cp, -1)
+    loc = torch.gather(flat, 2, idx)  # (E, C', S)
     return torch.matmul(D.transpose(1, 2), loc.transpose(1, 2))  # (E, S, C')
 
 

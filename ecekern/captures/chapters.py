@@ -213,6 +213,7 @@ def einsum_reference(out: Path, quick: bool = False, ncu: bool = True) -> dict:
 
     cfg = ecekern.ECEConfig()
     info: dict = {}
+    t_start = time.time()
     boxes = [2, 4] if quick else [4, 8]
     rows = []
     # 1. the reference at the two standard boxes, strict fp32, fp32+tf32, fp64
@@ -301,10 +302,19 @@ def einsum_reference(out: Path, quick: bool = False, ncu: bool = True) -> dict:
         del inputs
         _free()
     bench.write_csv(rows, out / "force_step.csv")
+    if ncu:
+        info["ncu_force_step"] = run_ncu(
+            "force_step", out / "ncu_force_step.csv", timeout=180
+        )
     # 4. time and peak memory against system size, strict fp32, until memory runs out
     scale_rows = []
-    reps = [2, 3, 4] if quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
+    reps = [2, 3, 4] if quick else [2, 3, 4, 5, 6, 8, 10, 12, 14]
     for rep in reps:
+        if time.time() - t_start > 420:
+            info["scaling_stopped"] = (
+                f"capture time budget reached before {8 * rep**3} atoms"
+            )
+            break
         try:
             model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
             inputs = prepare_inputs(
@@ -333,8 +343,6 @@ def einsum_reference(out: Path, quick: bool = False, ncu: bool = True) -> dict:
             model = inputs = None
             _free()
     bench.write_csv(scale_rows, out / "scaling.csv")
-    if ncu:
-        info["ncu_force_step"] = run_ncu("force_step", out / "ncu_force_step.csv")
     return info
 
 
