@@ -174,7 +174,8 @@ def _driver() -> str:
 
 
 def provenance(dtype: torch.dtype | None = None, command: str | None = None) -> dict:
-    """Where a number came from: device, driver, versions, commit, dtype, date, command."""
+    """Where a number came from: device, driver, versions, commit, dtype, date and
+    command."""
     import triton
 
     cuda = torch.cuda.is_available()

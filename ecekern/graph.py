@@ -147,6 +147,6 @@ def build_graph(positions, cell, pbc, cutoff: float) -> Graph:
 
 
 def edge_vectors(positions: torch.Tensor, graph: Graph) -> torch.Tensor:
-    """``r_e = x_src + shift @ cell - x_dst``, ``(E, 3)``, differentiable in positions."""
+    """``r_e = x_src + shift @ cell - x_dst``, ``(E, 3)``, differentiable in x."""
     offset = graph.shifts.to(positions.dtype) @ graph.cell.to(positions.dtype)
     return positions[graph.src] + offset - positions[graph.dst]

@@ -1,10 +1,10 @@
-"""EquivariantLinear: ``y[e, o, m] = sum_i x[e, i, m] W[m, o, i]`` (+ bias on m = 0 cos).
+"""EquivariantLinear: ``y[e, o, m] = sum_i x[e, i, m] W[m, o, i]`` (+ bias, m = 0 cos).
 
 The layer owns the parameters ``weight (n_ang, out, in)`` and ``bias (out,)``, the
 same for every implementation path, so a ``state_dict`` loads across paths unchanged.
-This version has the reference path (``"einsum"``, :func:`reference.equivariant_linear`);
-chapter 2 adds the fast paths. A path that cannot serve a call falls back to the
-reference loudly (:func:`ecekern.options.fallback`).
+This version has the reference path (``"einsum"``, the reference
+``equivariant_linear``); chapter 2 adds the fast paths. A path that cannot serve a
+call falls back to the reference loudly (:func:`ecekern.options.fallback`).
 """
 
 from __future__ import annotations

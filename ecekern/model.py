@@ -166,7 +166,8 @@ class ECEModel(nn.Module):
         if not bool((known & (idx >= 0)).all()):
             bad = sorted(set(numbers[~(known & (idx >= 0))].tolist()))
             raise ValueError(
-                f"atomic numbers {bad} are not among the model's species {self.config.species}"
+                f"atomic numbers {bad} are not among the model's species "
+                f"{self.config.species}"
             )
         return idx
 
@@ -191,7 +192,8 @@ class ECEModel(nn.Module):
             )
         if numbers.shape != positions.shape[:1]:
             raise ValueError(
-                f"numbers must have shape ({positions.shape[0]},), got {tuple(numbers.shape)}"
+                f"numbers must have shape ({positions.shape[0]},), "
+                f"got {tuple(numbers.shape)}"
             )
         if graph.n_nodes != positions.shape[0]:
             raise ValueError(
@@ -211,8 +213,8 @@ class ECEModel(nn.Module):
         graph: Graph,
         gauge: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Total energy. ``gauge (E,)``: optional extra rotation of each edge frame about
-        its axis (the energy must not change; tests use it)."""
+        """Total energy. ``gauge (E,)``: an optional extra rotation of each edge
+        frame about its axis (the energy must not change; tests use it)."""
         return self.atom_energies(positions, numbers, graph, gauge).sum()
 
     def atom_energies(

@@ -1,6 +1,6 @@
 """The peers a user would reach for, at the same width and degree as the reference.
 
-* ``torch.compile`` of :class:`ecekern.ECEModel` (no code here: ``torch.compile(model)``);
+* ``torch.compile`` of :class:`ecekern.ECEModel` (no code: ``torch.compile(model)``);
 * :class:`E3nnConvModel`: a NequIP-style e3nn tensor-product convolution.
 
 The e3nn model has the same graph, radial basis, cutoff, channels C and degree L, and
@@ -24,7 +24,7 @@ __all__ = ["E3nnConvModel"]
 
 
 class E3nnConvModel(nn.Module):
-    """NequIP-style convolution in e3nn: ``forward(positions, numbers, graph) -> energy``."""
+    """NequIP-style e3nn convolution: ``forward(positions, numbers, graph) -> E``."""
 
     def __init__(self, config: ECEConfig | None = None):
         super().__init__()

@@ -10,18 +10,17 @@ F = 2C(L+1) feature rows of the angular layout.
 
 Stages, in the order one energy evaluation runs them:
 
-=====================  ==========================================================
-``radial_basis``       ``d (E,) -> (E, n_rbf)`` Bessel functions times envelope
-``zonal_rows``         ``D (E, S, S) -> Z (E, S-1)``, ``Z[e, s] = D[e, l^2+l, s]``
-``zonal_scatter``      ``h0[n, s, c] = k sum_{e: dst_e = n} Z[e, s] R[e, l(s), c]``
-``rotate_and_select``  ``h (N, S, C) -> x_cos, x_sin (E, F, n_ang)``
-``equivariant_linear`` ``y[e, o, m] = sum_i x[e, i, m] W[m, o, i]`` (+ bias, m = 0 cos)
-``gate``               SiLU on m = 0 cos, m >= 1 slots times sigmoid(m = 0 cos)
-``mixing_stack``       ``u_k = u_{k-1} + gate(Linear_k(u_{k-1}))``, then Linear_out
-``pack_and_unrotate``  ``(E, C'(L+1), n_ang) x2 -> msg (E, S, C')`` via ``D_e^T``
-``aggregate``          ``Delta[n] = k sum_{e: dst_e = n} msg[e]``
-``node_update``        ``h + Delta @ W_l`` per degree l, shared over m
-=====================  ==========================================================
+* ``radial_basis``: ``d (E,) -> (E, n_rbf)``, Bessel functions times the envelope;
+* ``zonal_rows``: ``D (E, S, S) -> Z (E, S-1)``, ``Z[e, s] = D[e, l^2+l, s]``;
+* ``zonal_scatter``: ``h0[n, s, c] = k sum_{e: dst_e = n} Z[e, s] R[e, l(s), c]``;
+* ``rotate_and_select``: ``h (N, S, C) -> x_cos, x_sin (E, F, n_ang)``;
+* ``equivariant_linear``: ``y[e, o, m] = sum_i x[e, i, m] W[m, o, i]``, bias on the
+  m = 0 cos slot;
+* ``gate``: SiLU on the m = 0 cos slot, m >= 1 slots times sigmoid of it;
+* ``mixing_stack``: ``u_k = u_{k-1} + gate(Linear_k(u_{k-1}))``, then ``Linear_out``;
+* ``pack_and_unrotate``: ``(E, C'(L+1), n_ang) x 2 -> msg (E, S, C')`` via ``D_e^T``;
+* ``aggregate``: ``Delta[n] = k sum_{e: dst_e = n} msg[e]``;
+* ``node_update``: ``h + Delta_l @ W_l`` per degree l, shared over m.
 """
 
 from __future__ import annotations
@@ -98,8 +97,9 @@ def check_csr(dst: torch.Tensor, row_ptr: torch.Tensor, n_edges: int, device) ->
     )
     if bad:
         raise ValueError(
-            "row_ptr is not the CSR pointer of dst: need dst sorted ascending with values "
-            "in [0, N) and row_ptr[n+1] - row_ptr[n] edges into node n, row_ptr[0] = 0, "
+            "row_ptr is not the CSR pointer of dst: need dst sorted ascending with "
+            "values in [0, N), row_ptr[n+1] - row_ptr[n] edges into node n, "
+            "row_ptr[0] = 0, "
             f"row_ptr[N] = E = {n_edges}"
         )
     if n_edges > 1 and bool((dst[1:] < dst[:-1]).any()):
@@ -124,7 +124,7 @@ def envelope(d: torch.Tensor, cutoff: float, p: int = 6) -> torch.Tensor:
 
 
 def radial_basis(d: torch.Tensor, n_rbf: int, cutoff: float) -> torch.Tensor:
-    """``(E,) -> (E, n_rbf)``: ``sqrt(2/rc) sin(n pi d / rc) / d`` times the envelope."""
+    """``(E,) -> (E, n_rbf)``: ``sqrt(2/rc) sin(n pi d/rc) / d`` times the envelope."""
     _float("d", d)
     n = torch.arange(1, n_rbf + 1, dtype=d.dtype, device=d.device)
     b = (

@@ -209,7 +209,7 @@ def _skew(v: torch.Tensor) -> torch.Tensor:
 def edge_rotations(
     vectors: torch.Tensor, gauge: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """A rotation ``R_e`` with ``R_e u_e = z`` for each edge vector, ``(E, 3) -> (E, 3, 3)``.
+    """A rotation ``R_e`` with ``R_e u_e = z`` per edge, ``(E, 3) -> (E, 3, 3)``.
 
     The gauge (the free rotation about z after alignment) is the minimal rotation that
     takes ``u`` to ``+z`` when ``u_z >= 0``; otherwise the minimal rotation that takes
@@ -269,19 +269,19 @@ def edge_frames(
 class LMTables:
     """Index tables between the spherical index s and (l, m) and the angular layout.
 
-    A layout description, no data of the model: built once per ``(lmax, mmax)``.
+    A layout description, no data of the model: built once per ``(lmax, mmax)``. All
+    tables are ``torch.long`` tensors on the CPU:
 
-    Attributes (all ``torch.long`` on the CPU, move with :meth:`to`):
-        l_of_s, m_of_s: ``(S,)`` degree and order of each component.
-        cos_index: ``(L+1, n_ang)``: ``s = l^2+l+m`` of the cos slot ``(l, m)``, or
-            ``S`` (a zero column) where ``m > min(l, M)``.
-        sin_index: ``(L+1, n_ang)``: ``s = l^2+l-m`` of the sin slot, ``S`` where
-            ``m == 0`` or ``m > min(l, M)``.
-        pack_index: ``(S,)``: for each s, the position in the flattened
-            ``[cos (L+1)*n_ang | sin (L+1)*n_ang | zero]`` slot vector it is packed
-            from (``2*(L+1)*n_ang`` points at the zero for ``|m| > M``).
-        m0_rows: ``(S,)``: ``l^2 + l`` of each component's degree, the row of the
-            m = 0 component; ``Z[e, s] = D_e[m0_rows[s], s]`` is the zonal row.
+    * ``l_of_s``, ``m_of_s`` ``(S,)``: degree and order of each component;
+    * ``m0_rows`` ``(S,)``: ``l^2 + l`` of each component's degree, the row of its
+      m = 0 component, so ``Z[e, s] = D_e[m0_rows[s], s]`` is the zonal row;
+    * ``cos_index`` ``(L+1, n_ang)``: the component ``l^2+l+m`` of the cos slot
+      ``(l, m)``, or ``S`` (a zero column) where ``m > min(l, M)``;
+    * ``sin_index`` ``(L+1, n_ang)``: the component ``l^2+l-m`` of the sin slot, or
+      ``S`` where ``m == 0`` or ``m > min(l, M)``;
+    * ``pack_index`` ``(S,)``: for each s, its position in the flattened slot vector
+      ``[cos (L+1)*n_ang | sin (L+1)*n_ang | zero]``; components with ``|m| > M``
+      point at the zero.
     """
 
     def __init__(self, lmax: int, mmax: int | None = None):

@@ -52,7 +52,8 @@ def assert_close_three_way(
     bound = 2 * e_ref + ATOL[out.dtype]
     if not e_out <= bound:
         raise AssertionError(
-            f"{what}: relative error {e_out:.3e} > 2 x {e_ref:.3e} + {ATOL[out.dtype]:.0e}"
+            f"{what}: relative error {e_out:.3e} > "
+            f"2 x {e_ref:.3e} + {ATOL[out.dtype]:.0e}"
         )
 
 

@@ -63,3 +63,45 @@ class Capture:
 def load(chapter: str, root: str | os.PathLike | None = None) -> Capture:
     """The capture of ``chapter`` (e.g. ``"01_einsum_reference"``)."""
     return Capture(Path(root) if root else capture_root() / chapter)
+
+
+def markdown_table(
+    rows: list[dict], columns: dict[str, str], fmt: dict | None = None
+) -> str:
+    """A Markdown table of ``rows``: ``columns`` maps keys to headers, ``fmt`` keys to
+    format strings (``"{:.2f}"``)."""
+    fmt = fmt or {}
+    head = "| " + " | ".join(columns.values()) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = [
+        "| " + " | ".join(fmt.get(k, "{}").format(r[k]) for k in columns) + " |"
+        for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
+    """The progress table: the force step (energy + forces), strict fp32, after each
+    chapter and for the peers, at 512 and 4096 atoms, from the chapters' captures."""
+    base = Path(root) if root else capture_root()
+    rows = []
+    ref = load("01_einsum_reference", base / "01_einsum_reference")
+    peers = ref.csv("peers") if "peers.csv" in ref.files() else []
+    for r in ref.csv("force_step") + peers:
+        if r["dtype"] != "float32":
+            continue
+        label = {"reference": "1. einsum reference"}.get(
+            r["model"], "peer: " + r["model"]
+        )
+        rows.append(
+            {
+                "chapter": label,
+                "n_atoms": r["n_atoms"],
+                "n_edges": r["n_edges"],
+                "step_ms": r["step_ms"],
+                "peak_mem_MiB": r["peak_mem_MiB"],
+                "device": r["device"],
+                "commit": r["commit"],
+            }
+        )
+    return rows

@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--no-ncu", action="store_true")
+    ap.add_argument("--parts", default=None, help="chapter-1 parts, comma-separated")
     args = ap.parse_args(argv)
     import torch
 
@@ -37,7 +38,10 @@ def main(argv=None) -> int:
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         try:
-            info = chapters.REGISTRY[name](d, quick=args.quick, ncu=not args.no_ncu)
+            kw = {"parts": args.parts} if args.parts else {}
+            info = chapters.REGISTRY[name](
+                d, quick=args.quick, ncu=not args.no_ncu, **kw
+            )
             status = "ok"
         except Exception:
             traceback.print_exc()

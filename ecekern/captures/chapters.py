@@ -39,7 +39,7 @@ NCU_STALLS = [
 def run_ncu(
     target: str, out_csv: Path, extra: list[str] | None = None, timeout=420
 ) -> str:
-    """Profile ``targets.<target>`` with ncu; write the raw CSV page; return a status."""
+    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
     for metrics in (NCU_METRICS_BASIC + NCU_STALLS, NCU_METRICS_BASIC):
         cmd = [
             "ncu",
@@ -119,21 +119,26 @@ def methodology(out: Path, quick: bool = False, ncu: bool = True) -> dict:
     for nbytes in sizes:
         src = torch.randn(nbytes // 4, device="cuda")
         dst = torch.empty_like(src)
-        t = bench.time_fn(lambda: dst.copy_(src))
-        rows.append(
-            {
-                "kind": "copy",
-                "case": f"{nbytes / 2**20:.0f} MiB",
-                "bytes": 2 * nbytes,
-                "flops": 0,
-                "median_ms": t.median,
-                "p10_ms": t.p10,
-                "p90_ms": t.p90,
-                "rate": 2 * nbytes / t.median / 1e6,
-                "unit": "GB/s",
-                **bench.provenance(torch.float32),
-            }
-        )
+        # a same-dtype copy_ is a cudaMemcpy; torch.neg is a read-one-write-one kernel
+        for kind, fn in (
+            ("copy", lambda src=src, dst=dst: dst.copy_(src)),
+            ("elementwise", lambda src=src, dst=dst: torch.neg(src, out=dst)),
+        ):
+            t = bench.time_fn(fn)
+            rows.append(
+                {
+                    "kind": kind,
+                    "case": f"{nbytes / 2**20:.0f} MiB",
+                    "bytes": 2 * nbytes,
+                    "flops": 0,
+                    "median_ms": t.median,
+                    "p10_ms": t.p10,
+                    "p90_ms": t.p90,
+                    "rate": 2 * nbytes / t.median / 1e6,
+                    "unit": "GB/s",
+                    **bench.provenance(torch.float32),
+                }
+            )
         del src, dst
         _free()
     n = 4096 if quick else 8192
@@ -147,7 +152,7 @@ def methodology(out: Path, quick: bool = False, ncu: bool = True) -> dict:
         bench.set_tf32(tf32)
         a = torch.randn(n, n, device="cuda", dtype=dtype)
         b = torch.randn(n, n, device="cuda", dtype=dtype)
-        t = bench.time_fn(lambda: a @ b)
+        t = bench.time_fn(lambda a=a, b=b: a @ b)
         rows.append(
             {
                 "kind": "gemm",
@@ -205,144 +210,152 @@ def _force_rows(name, model, inputs, dtype, extra=None, rep_ms=400.0):
     }
 
 
-def einsum_reference(out: Path, quick: bool = False, ncu: bool = True) -> dict:
-    """Chapter 1: the reference force step, by stage, against size, and the peers."""
+def _print_row(r):
+    print(r["model"], r["n_atoms"], r["dtype"], f"{r['step_ms']:.2f} ms", flush=True)
+
+
+def einsum_reference(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "reference,profiles,peers,ncu,scaling",
+) -> dict:
+    """Chapter 1: the reference force step, by stage, against size, and the peers.
+
+    ``parts`` (comma-separated) selects what to run; each part writes its own files:
+    ``reference`` -> force_step.csv, ``profiles`` -> profile_*, ``peers`` ->
+    peers.csv, ``ncu`` -> ncu_force_step.csv, ``scaling`` -> scaling.csv.
+    """
     import ecekern
     from ecekern.model import force_step, prepare_inputs
     from ecekern.peers import E3nnConvModel
 
+    todo = set(parts.split(","))
     cfg = ecekern.ECEConfig()
-    info: dict = {}
-    t_start = time.time()
+    info: dict = {"parts": sorted(todo)}
     boxes = [2, 4] if quick else [4, 8]
-    rows = []
     # 1. the reference at the two standard boxes, strict fp32, fp32+tf32, fp64
-    for rep in boxes:
-        atoms = ecekern.systems.diamond(rep)
-        for dtype, tf32 in [
-            (torch.float32, False),
-            (torch.float32, True),
-            (torch.float64, False),
-        ]:
-            bench.set_tf32(tf32)
-            model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
-            t0 = time.perf_counter()
-            inputs = prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
-            torch.cuda.synchronize()
-            g_ms = (time.perf_counter() - t0) * 1e3
-            rows.append(
-                _force_rows("reference", model, inputs, dtype, {"graph_ms_wall": g_ms})
-            )
-            print(
-                rows[-1]["model"],
-                rows[-1]["n_atoms"],
-                rows[-1]["dtype"],
-                f"{rows[-1]['step_ms']:.2f} ms",
-                flush=True,
-            )
-            del model, inputs
-            _free()
-        bench.set_tf32(False)
-    # 2. profiles of the strict-fp32 force step
-    for rep in boxes:
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        _profile_table(
-            lambda: force_step(model, *inputs), out, f"profile_step_{8 * rep**3}"
-        )
-        with torch.no_grad():
-            _profile_table(lambda: model(*inputs), out, f"profile_forward_{8 * rep**3}")
-        del model, inputs
-        _free()
-    # 3. the peers at the same width and degree, strict fp32
-    for rep in boxes:
-        atoms = ecekern.systems.diamond(rep)
-        inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, "cuda")
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        try:
-            compiled = torch.compile(model)
-            t0 = time.perf_counter()
-            force_step(compiled, *inputs)
-            torch.cuda.synchronize()
-            c_s = time.perf_counter() - t0
-            rows.append(
-                _force_rows(
-                    "reference + torch.compile",
-                    compiled,
-                    inputs,
-                    torch.float32,
-                    {"compile_s": c_s},
+    if "reference" in todo:
+        rows = []
+        for rep in boxes:
+            atoms = ecekern.systems.diamond(rep)
+            for dtype, tf32 in [
+                (torch.float32, False),
+                (torch.float32, True),
+                (torch.float64, False),
+            ]:
+                bench.set_tf32(tf32)
+                model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
+                t0 = time.perf_counter()
+                inputs = prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
+                torch.cuda.synchronize()
+                g_ms = (time.perf_counter() - t0) * 1e3
+                rows.append(
+                    _force_rows(
+                        "reference", model, inputs, dtype, {"graph_ms_wall": g_ms}
+                    )
                 )
-            )
-        except Exception as exc:
-            info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
-        print(
-            rows[-1]["model"],
-            rows[-1]["n_atoms"],
-            f"{rows[-1]['step_ms']:.2f} ms",
-            flush=True,
-        )
-        del model
-        _free()
-        try:
-            peer = E3nnConvModel(cfg).to(device="cuda", dtype=torch.float32)
-            rows.append(
-                _force_rows("e3nn TP conv (NequIP-style)", peer, inputs, torch.float32)
-            )
-            print(
-                rows[-1]["model"],
-                rows[-1]["n_atoms"],
-                f"{rows[-1]['step_ms']:.2f} ms",
-                flush=True,
-            )
-        except Exception as exc:
-            info[f"e3nn_{rep}"] = f"failed: {exc!r}"[:500]
-        del inputs
-        _free()
-    bench.write_csv(rows, out / "force_step.csv")
-    if ncu:
-        info["ncu_force_step"] = run_ncu(
-            "force_step", out / "ncu_force_step.csv", timeout=180
-        )
-    # 4. time and peak memory against system size, strict fp32, until memory runs out
-    scale_rows = []
-    reps = [2, 3, 4] if quick else [2, 3, 4, 5, 6, 8, 10, 12, 14]
-    for rep in reps:
-        if time.time() - t_start > 420:
-            info["scaling_stopped"] = (
-                f"capture time budget reached before {8 * rep**3} atoms"
-            )
-            break
-        try:
+                _print_row(rows[-1])
+                del model, inputs
+                _free()
+            bench.set_tf32(False)
+        bench.write_csv(rows, out / "force_step.csv")
+    # 2. profiles of the strict-fp32 force step
+    if "profiles" in todo:
+        for rep in boxes:
             model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
             inputs = prepare_inputs(
                 ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
             )
-            scale_rows.append(
-                _force_rows(
+            _profile_table(
+                lambda m=model, i=inputs: force_step(m, *i),
+                out,
+                f"profile_step_{8 * rep**3}",
+            )
+            with torch.no_grad():
+                _profile_table(
+                    lambda m=model, i=inputs: m(*i),
+                    out,
+                    f"profile_forward_{8 * rep**3}",
+                )
+            del model, inputs
+            _free()
+    # 3. the peers at the same width and degree, strict fp32
+    if "peers" in todo:
+        rows = []
+        for rep in boxes:
+            atoms = ecekern.systems.diamond(rep)
+            inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, "cuda")
+            model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+            try:
+                # a fresh compile per box: static shapes, as a user with one system has
+                torch._dynamo.reset()
+                compiled = torch.compile(model)
+                t0 = time.perf_counter()
+                force_step(compiled, *inputs)
+                torch.cuda.synchronize()
+                extra = {"compile_s": time.perf_counter() - t0}
+                name = "reference + torch.compile"
+                rows.append(_force_rows(name, compiled, inputs, torch.float32, extra))
+                _print_row(rows[-1])
+            except Exception as exc:
+                info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
+            del model
+            _free()
+            try:
+                peer = E3nnConvModel(cfg).to(device="cuda", dtype=torch.float32)
+                name = "e3nn TP conv (NequIP-style)"
+                rows.append(_force_rows(name, peer, inputs, torch.float32))
+                _print_row(rows[-1])
+                bench.write_csv(rows, out / "peers.csv")
+            except Exception as exc:
+                info[f"e3nn_{rep}"] = f"failed: {exc!r}"[:500]
+            del inputs
+            _free()
+        bench.write_csv(rows, out / "peers.csv")
+    if ncu and "ncu" in todo:
+        info["ncu_force_step"] = run_ncu(
+            "force_step", out / "ncu_force_step.csv", timeout=180
+        )
+    # 4. time and peak memory against system size, strict fp32, until memory runs out
+    if "scaling" in todo:
+        scale_rows = []
+        reps = [2, 3, 4] if quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
+        t_start = time.time()
+        for rep in reps:
+            if time.time() - t_start > 240:
+                info["scaling_stopped"] = (
+                    f"time budget reached before {8 * rep**3} atoms"
+                )
+                break
+            try:
+                model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+                inputs = prepare_inputs(
+                    ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+                )
+                row = _force_rows(
                     "reference",
                     model,
                     inputs,
                     torch.float32,
-                    rep_ms=200.0 if rep < 10 else 100.0,
+                    rep_ms=200.0 if rep < 10 else 50.0,
                 )
-            )
-            print(
-                "scale",
-                rep,
-                f"{scale_rows[-1]['step_ms']:.1f} ms",
-                f"{scale_rows[-1]['peak_mem_MiB']:.0f} MiB",
-                flush=True,
-            )
-        except torch.cuda.OutOfMemoryError:
-            info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
-            break
-        finally:
-            model = inputs = None
-            _free()
-    bench.write_csv(scale_rows, out / "scaling.csv")
+                scale_rows.append(row)
+                bench.write_csv(scale_rows, out / "scaling.csv")
+                print(
+                    "scale",
+                    rep,
+                    f"{row['step_ms']:.1f} ms",
+                    f"{row['peak_mem_MiB']:.0f} MiB",
+                    flush=True,
+                )
+            except torch.cuda.OutOfMemoryError:
+                info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
+                break
+            finally:
+                model = inputs = None
+                _free()
+        bench.write_csv(scale_rows, out / "scaling.csv")
     return info
 
 

@@ -1,4 +1,4 @@
-"""Small programs that Nsight Compute profiles: ``python -m ecekern.captures.targets NAME``.
+"""Programs for Nsight Compute: ``python -m ecekern.captures.targets NAME``.
 
 Each runs its work a few times to warm up, then once more inside the NVTX range
 ``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects.
@@ -22,7 +22,7 @@ def _in_range(fn, warmup: int = 2):
 
 
 def copy():
-    # an elementwise kernel (a same-dtype copy_ is a cudaMemcpy, which ncu cannot see)
+    # an elementwise kernel: a same-dtype copy_ is a cudaMemcpy, which ncu cannot see
     src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
     _in_range(lambda: torch.neg(src, out=dst))
