@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--no-ncu", action="store_true")
     ap.add_argument("--parts", default=None, help="chapter-1 parts, comma-separated")
+    ap.add_argument("--boxes", default=None, help="chapter-1 diamond repeats, e.g. 4,8")
     args = ap.parse_args(argv)
     import torch
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         try:
-            kw = {"parts": args.parts} if args.parts else {}
+            kw = {k: v for k, v in (("parts", args.parts), ("boxes", args.boxes)) if v}
             info = chapters.REGISTRY[name](
                 d, quick=args.quick, ncu=not args.no_ncu, **kw
             )

@@ -219,6 +219,7 @@ def einsum_reference(
     quick: bool = False,
     ncu: bool = True,
     parts: str = "reference,profiles,peers,ncu,scaling",
+    boxes: str | None = None,
 ) -> dict:
     """Chapter 1: the reference force step, by stage, against size, and the peers.
 
@@ -233,7 +234,9 @@ def einsum_reference(
     todo = set(parts.split(","))
     cfg = ecekern.ECEConfig()
     info: dict = {"parts": sorted(todo)}
-    boxes = [2, 4] if quick else [4, 8]
+    boxes = (
+        [int(b) for b in boxes.split(",")] if boxes else ([2, 4] if quick else [4, 8])
+    )
     # 1. the reference at the two standard boxes, strict fp32, fp32+tf32, fp64
     if "reference" in todo:
         rows = []
