@@ -187,10 +187,20 @@ def provenance(dtype: torch.dtype | None = None, command: str | None = None) -> 
         "commit": _git_commit(),
         "dtype": dtype_label(dtype) if dtype is not None else "",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": command
-        if command is not None
-        else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command if command is not None else _command_line(),
     }
+
+
+def _command_line() -> str:
+    """The command that runs this process (``python -m pkg`` for a module run)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = (
+        f"python -m {spec.name.removesuffix('.__main__')}"
+        if spec
+        else Path(sys.argv[0]).name
+    )
+    return " ".join([head, *sys.argv[1:]])
 
 
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:

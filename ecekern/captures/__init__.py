@@ -105,3 +105,65 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
             }
         )
     return rows
+
+
+NCU_COLUMNS = {
+    "gpu__time_duration.sum": "time",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy_pct",
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+}
+
+
+def _ncu_float(text: str) -> float:
+    try:
+        return float(str(text).replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def ncu_kernels(capture: Capture, name: str) -> list[dict]:
+    """The kernels of an Nsight Compute raw CSV page (``ncu --csv --page raw``).
+
+    Returns one dict per kernel: ``kernel`` (name), ``time_ms``, ``dram_pct``,
+    ``sm_pct``, ``occupancy_pct``, ``dram_MB`` (read + written) and one
+    ``stall_<reason>`` per stall-reason metric present (warps stalled per issued
+    instruction). Units are read from the page's second row.
+    """
+    with (capture.path / f"{name}.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    units, data = rows[0], rows[1:]
+    scale_t = {
+        "ns": 1e-6,
+        "us": 1e-3,
+        "usecond": 1e-3,
+        "nsecond": 1e-6,
+        "ms": 1.0,
+        "msecond": 1.0,
+    }
+    scale_b = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+    out = []
+    for r in data:
+        t_key = "gpu__time_duration.sum"
+        k = {
+            "kernel": r.get("Kernel Name", ""),
+            "time_ms": _ncu_float(r[t_key]) * scale_t.get(units.get(t_key, "ns"), 1e-6),
+        }
+        for key, short in NCU_COLUMNS.items():
+            if key in r and short.endswith("_pct"):
+                k[short] = _ncu_float(r[key])
+        k["dram_MB"] = sum(
+            _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
+            for key in ("dram__bytes_read.sum", "dram__bytes_write.sum")
+            if key in r
+        )
+        for key in r:
+            if key.startswith("smsp__average_warps_issue_stalled_"):
+                reason = key.removeprefix("smsp__average_warps_issue_stalled_")
+                k["stall_" + reason.removesuffix("_per_issue_active.ratio")] = (
+                    _ncu_float(r[key])
+                )
+        out.append(k)
+    return out

@@ -96,6 +96,7 @@ def _profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
         rows.append(
             {
                 "name": e.key,
+                "device_type": str(getattr(e, "device_type", "")).split(".")[-1],
                 "calls_per_step": e.count / iters,
                 "self_cuda_ms_per_step": self_dev / 1e3 / iters,
                 "cuda_total_ms_per_step": dev / 1e3 / iters,
