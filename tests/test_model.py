@@ -251,3 +251,13 @@ def test_e3nn_peer_is_invariant(box):
     e_r, f_r = force_step(peer, pos_r, numbers_r, graph_r)
     assert rel_err(e_r, e) < 1e-10 and rel_err(f_r, f @ R.T) < 1e-10
     assert f.abs().max() > 0
+
+
+@pytest.mark.gpu
+def test_device_mismatch_is_a_clear_error(box):
+    model = _model().cuda()
+    pos, numbers, graph = _inputs(box)
+    with pytest.raises(ValueError, match="cuda|cpu"):
+        model(pos, numbers, graph)
+    with pytest.raises(ValueError, match="cell"):
+        ecekern.neighbor_list(pos.cuda(), torch.eye(3, dtype=pos.dtype), True, 2.0)

@@ -104,7 +104,7 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
                 "commit": r["commit"],
             }
         )
-    return rows
+    return sorted(rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit()))
 
 
 NCU_COLUMNS = {

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from ecekern import captures
+
+
+def test_committed_captures_load_and_have_provenance():
+    for chapter in ("methodology", "01_einsum_reference"):
+        cap = captures.load(chapter)
+        prov = cap.manifest["provenance"]
+        assert prov["device"] and prov["commit"] and prov["date"]
+        assert cap.manifest["status"] == "ok"
+        for name in cap.manifest["files"]:
+            assert name in cap.files()
+
+
+def test_ceilings_are_plausible_for_the_h200():
+    rows = captures.load("methodology").csv("ceilings")
+    kinds = {r["kind"] for r in rows}
+    assert {"copy", "elementwise", "gemm"} <= kinds
+    for r in rows:
+        assert r["device"] == "NVIDIA H200" and r["median_ms"] > 0
+        assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+
+
+def test_progress_rows_come_from_the_chapter_captures():
+    rows = captures.progress_rows()
+    assert {r["n_atoms"] for r in rows} == {512, 4096}
+    assert any(r["chapter"].startswith("1.") for r in rows)
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert rows == sorted(
+        rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit())
+    )
+
+
+def test_ncu_pages_parse():
+    cap = captures.load("methodology")
+    (k,) = captures.ncu_kernels(cap, "ncu_copy")
+    assert "neg" in k["kernel"] and k["time_ms"] > 0 and 0 < k["dram_pct"] <= 100
+    assert k["dram_MB"] > 1000  # a 1 GiB read plus a 1 GiB write
+    assert "stall_long_scoreboard" in k
+
+
+def test_markdown_table():
+    md = captures.markdown_table(
+        [{"a": 1.25, "b": "x"}], {"a": "A", "b": "B"}, {"a": "{:.1f}"}
+    )
+    assert md.splitlines() == ["| A | B |", "|---|---|", "| 1.2 | x |"]
+
+
+def test_load_errors_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        captures.load("nope", root=tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"chapter": "x"}))
+    (tmp_path / "t.csv").write_text("n,v\n1,2.5\n3,abc\n")
+    cap = captures.load("x", root=tmp_path)
+    assert cap.csv("t") == [{"n": 1, "v": 2.5}, {"n": 3, "v": "abc"}]
