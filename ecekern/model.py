@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import reference, so3
+from . import options, reference, so3
 from .graph import Graph, build_graph, edge_vectors
 from .linear import EquivariantLinear
 
@@ -222,6 +222,10 @@ class ECEModel(nn.Module):
     ) -> torch.Tensor:
         """Per-atom energies ``(N,)``."""
         self._check(positions, numbers, graph)
+        opts = options.current()
+        for name in ("packed_d", "sync_free_unpack", "fused_scatter", "edge_cohorts"):
+            if getattr(opts, name):
+                options.fallback(f"ECEModel[{name}]", "not built in this version")
         cfg = self.config
         L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
         N = positions.shape[0]

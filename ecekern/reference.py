@@ -228,6 +228,31 @@ def rotate_and_select(
 # --------------------------------------------------------------------------------------
 # 4c. the SO(2) value path
 # --------------------------------------------------------------------------------------
+def _check_equivariant_linear(x_cos, x_sin, weight, bias) -> None:
+    """Shapes, dtypes and devices of :func:`equivariant_linear`'s arguments."""
+    _float("x_cos", x_cos)
+    _same("x_cos", x_cos, x_sin=x_sin, weight=weight)
+    if x_cos.shape != x_sin.shape:
+        raise ValueError(
+            f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
+        )
+    if weight.ndim != 3 or x_cos.ndim < 2 or weight.shape[0] != x_cos.shape[-1]:
+        raise ValueError(
+            f"weight must be (n_ang, out, in) with n_ang = x.shape[-1]; got weight "
+            f"{tuple(weight.shape)} for x {tuple(x_cos.shape)}"
+        )
+    if weight.shape[2] != x_cos.shape[-2]:
+        raise ValueError(
+            f"weight expects in={weight.shape[2]}, x has {x_cos.shape[-2]}"
+        )
+    if bias is not None:
+        _same("x_cos", x_cos, bias=bias)
+        if bias.shape != weight.shape[1:2]:
+            raise ValueError(
+                f"bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}"
+            )
+
+
 def equivariant_linear(
     x_cos: torch.Tensor,
     x_sin: torch.Tensor,
@@ -248,29 +273,10 @@ def equivariant_linear(
     Returns:
         ``y_cos, y_sin``, each ``(..., out, n_ang)``.
     """
-    _float("x_cos", x_cos)
-    _same("x_cos", x_cos, x_sin=x_sin, weight=weight)
-    if x_cos.shape != x_sin.shape:
-        raise ValueError(
-            f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
-        )
-    if weight.ndim != 3 or x_cos.ndim < 2 or weight.shape[0] != x_cos.shape[-1]:
-        raise ValueError(
-            f"weight must be (n_ang, out, in) with n_ang = x.shape[-1]; got weight "
-            f"{tuple(weight.shape)} for x {tuple(x_cos.shape)}"
-        )
-    if weight.shape[2] != x_cos.shape[-2]:
-        raise ValueError(
-            f"weight expects in={weight.shape[2]}, x has {x_cos.shape[-2]}"
-        )
+    _check_equivariant_linear(x_cos, x_sin, weight, bias)
     y_cos = torch.einsum("...im,moi->...om", x_cos, weight)
     y_sin = torch.einsum("...im,moi->...om", x_sin, weight)
     if bias is not None:
-        _same("x_cos", x_cos, bias=bias)
-        if bias.shape != weight.shape[1:2]:
-            raise ValueError(
-                f"bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}"
-            )
         y_cos = torch.cat([(y_cos[..., 0] + bias)[..., None], y_cos[..., 1:]], dim=-1)
     return y_cos, y_sin
 

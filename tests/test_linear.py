@@ -1,0 +1,217 @@
+import pytest
+import torch
+
+import ecekern
+from ecekern import linear, options, reference
+from ecekern.testing import assert_close_three_way, rel_err
+
+G = lambda s: torch.Generator().manual_seed(s)
+FAST = ["dense", "triton"]
+
+
+def _args(B, K, O, n_ang, dtype=torch.float64, seed=0, bias=True, lead=()):
+    g = G(seed)
+    xc = torch.randn(*lead, B, K, n_ang, generator=g, dtype=torch.float64).to(dtype)
+    xs = torch.randn(*lead, B, K, n_ang, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(n_ang, O, K, generator=g, dtype=torch.float64).to(dtype) / K**0.5
+    b = torch.randn(O, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    return [t.requires_grad_() if t is not None else None for t in (xc, xs, w, b)]
+
+
+def _run(path, args, seed=1):
+    y = linear.equivariant_linear(*args, path=path)
+    g = torch.Generator().manual_seed(seed)
+    gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
+    wrt = [t for t in args if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(y, wrt, gy)
+    return list(y) + list(grads)
+
+
+@pytest.mark.parametrize("path", FAST)
+@pytest.mark.parametrize(
+    "B, K, O, n_ang",
+    [(37, 20, 35, 3), (16, 16, 16, 1), (5, 3, 17, 2), (33, 48, 9, 5)],
+    ids=["awkward", "one-block", "tiny-in", "n_ang5"],
+)
+def test_fp64_matches_einsum_with_all_gradients(path, B, K, O, n_ang):
+    args = _args(B, K, O, n_ang)
+    for got, ref in zip(_run(path, args), _run("einsum", args), strict=True):
+        assert rel_err(got, ref) < 1e-12
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_fp32_three_way_against_fp64(path):
+    args64 = _args(40, 24, 30, 3)
+    args32 = [t.detach().float().requires_grad_() for t in args64]
+    ref64 = _run("einsum", args64)
+    for got, ref32, truth in zip(
+        _run(path, args32), _run("einsum", args32), ref64, strict=True
+    ):
+        assert_close_three_way(got, ref32, truth, path)
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_non_contiguous_m_major_and_batched_inputs(path):
+    g = G(3)
+    B, K, O, n_ang = 19, 18, 21, 3
+    xc = torch.randn(B, n_ang, K, generator=g, dtype=torch.float64).transpose(1, 2)
+    xs = torch.randn(B, n_ang, K, generator=g, dtype=torch.float64).transpose(1, 2)
+    assert not xc.is_contiguous()
+    w = torch.randn(n_ang, O, K, generator=g, dtype=torch.float64)
+    b = torch.randn(O, generator=g, dtype=torch.float64)
+    for got, ref in zip(
+        linear.equivariant_linear(xc, xs, w, b, path),
+        reference.equivariant_linear(xc, xs, w, b),
+        strict=True,
+    ):
+        assert rel_err(got, ref) < 1e-12
+    args = _args(6, 10, 7, 2, lead=(2, 3))
+    for got, ref in zip(_run(path, args), _run("einsum", args), strict=True):
+        assert got.shape == ref.shape and rel_err(got, ref) < 1e-12
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_no_rows_and_no_bias(path):
+    args = _args(0, 8, 5, 3)
+    y = linear.equivariant_linear(*args, path=path)
+    assert y[0].shape == (0, 5, 3)
+    args = _args(9, 8, 5, 3, bias=False)
+    for got, ref in zip(_run(path, args), _run("einsum", args), strict=True):
+        assert rel_err(got, ref) < 1e-12
+
+
+def test_frozen_weights_compute_only_input_gradients():
+    xc, xs, w, b = _args(21, 17, 19, 3)
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    y = linear.equivariant_linear(xc, xs, w, b, "triton")
+    (y[0].sum() + y[1].sum()).backward()
+    assert w.grad is None and b.grad is None
+    assert xc.grad is not None and xs.grad is not None
+
+
+def test_weight_gradient_is_deterministic():
+    args = _args(70, 20, 18, 3)
+    a = _run("triton", args)
+    b = _run("triton", args)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_gradcheck_and_gradgradcheck_of_the_triton_path():
+    # small, and fast_mode (random projections): every evaluation is a kernel launch
+    # in the interpreter
+    args = _args(3, 2, 2, 2)
+    f = lambda *a: linear.equivariant_linear(*a, path="triton")
+    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradgradcheck(f, args, fast_mode=True)
+
+
+def test_state_dict_loads_across_paths():
+    a = ecekern.EquivariantLinear(12, 7, 3, path="einsum").double()
+    b = ecekern.EquivariantLinear(12, 7, 3, path="triton").double()
+    c = ecekern.EquivariantLinear(12, 7, 3, path="dense").double()
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(b.state_dict())
+    x = _args(10, 12, 7, 3)[:2]
+    for m in (b, c):
+        for got, ref in zip(m(*x), a(*x), strict=True):
+            assert rel_err(got, ref) < 1e-12
+
+
+def test_dispatch_follows_the_options_and_the_override(monkeypatch):
+    xc, xs, w, b = _args(4, 5, 6, 2)
+    calls = []
+    apply = linear._EquivariantLinearFn.apply
+    monkeypatch.setattr(
+        linear._EquivariantLinearFn, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    linear.equivariant_linear(xc, xs, w, b)
+    assert calls == []  # default option: the reference
+    with options.use(linear="triton"):
+        linear.equivariant_linear(xc, xs, w, b)
+        assert calls == [1]
+        linear.equivariant_linear(xc, xs, w, b, path="dense")  # the override wins
+        assert calls == [1]
+    with options.use(linear="auto"):  # auto resolves to the reference until measured
+        y = linear.equivariant_linear(xc, xs, w, b)
+        ref = reference.equivariant_linear(xc, xs, w, b)
+        assert torch.equal(y[0], ref[0])
+    with pytest.raises(ValueError):
+        linear.equivariant_linear(xc, xs, w, b, path="fast")
+    with pytest.raises(ValueError):
+        ecekern.EquivariantLinear(4, 4, 2, path="fast")
+
+
+def test_unsupported_n_ang_falls_back_loudly():
+    options.reset_fallback_warnings()
+    args = _args(4, 3, 2, 9)
+    with pytest.warns(options.FallbackWarning, match="n_ang"):
+        y = linear.equivariant_linear(*args, path="triton")
+    assert torch.equal(y[0], reference.equivariant_linear(*args)[0])
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_bad_inputs_are_rejected_like_the_reference(path):
+    xc, xs, w, b = _args(4, 5, 6, 3)
+    with pytest.raises(ValueError):
+        linear.equivariant_linear(xc, xs[..., :2], w, b, path)
+    with pytest.raises(ValueError):
+        linear.equivariant_linear(xc, xs, w[:, :, :4], b, path)
+    with pytest.raises(TypeError):
+        linear.equivariant_linear(xc.float(), xs.float(), w, b, path)
+    with pytest.raises(ValueError):
+        linear.equivariant_linear(xc, xs, w, b[:3], path)
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_model_energy_and_forces_with_each_path(path):
+    cfg = ecekern.ECEConfig(channels=3, radial_hidden=8, readout_hidden=4, n_gated=1)
+    model = ecekern.ECEModel(cfg)
+    atoms = ecekern.systems.diamond(1, rattle=0.1, seed=4)
+    atoms = atoms[:4]
+    atoms.pbc = False
+    e_ref, f_ref = ecekern.energy_and_forces(model, atoms)
+    with options.use(linear=path):
+        e, f = ecekern.energy_and_forces(model, atoms)
+    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+
+
+# ----------------------------------------------------------------------------------
+# GPU: precisions with their stated tolerances (fp64 truth from the reference)
+# ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, tf32, tol",
+    [
+        (torch.float64, False, 1e-12),
+        (torch.float32, False, 1e-5),
+        (torch.float32, True, 3e-3),
+        (torch.bfloat16, False, 3e-2),
+        (torch.float16, False, 5e-3),
+    ],
+)
+@pytest.mark.parametrize("path", FAST)
+def test_gpu_precisions(path, dtype, tf32, tol):
+    from ecekern.bench import set_tf32
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        set_tf32(tf32)
+        args64 = [t.detach().cuda().requires_grad_() for t in _args(4099, 192, 192, 3)]
+        args = [t.detach().to(dtype).requires_grad_() for t in args64]
+        truth = _run("einsum", args64)
+        for got, ref in zip(_run(path, args), truth, strict=True):
+            assert got.dtype == dtype
+            assert rel_err(got, ref) < tol
+    finally:
+        set_tf32(before)
+
+
+@pytest.mark.gpu
+def test_gpu_model_forces_with_the_triton_path():
+    model = ecekern.ECEModel(ecekern.ECEConfig())
+    atoms = ecekern.systems.diamond(2, seed=3)
+    e_ref, f_ref = ecekern.energy_and_forces(model, atoms)
+    with options.use(linear="triton"):
+        e, f = ecekern.energy_and_forces(model, atoms, device="cuda")
+    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-10
