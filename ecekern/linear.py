@@ -31,9 +31,14 @@ fp32 (48 at K = O = 192): arithmetic-bound on the FMA units in strict fp32,
 memory-bound on the tensor cores (TF32, bf16).
 
 Status: forward, first and second derivatives in fp64/fp32 (IEEE or TF32)/bf16/fp16
-(fp32 accumulation), n_ang <= 8, any K, O, B (masked), int64 offsets; CUDA, and CPU
-under Triton's interpreter (``TRITON_INTERPRET=1``). The double backward runs the
-same kernel for dx and an einsum for dW. Measured on the CPU interpreter only so far;
+(fp32 accumulation), n_ang <= 8, any K, O, B (masked), int64 offsets. On the CPU under
+Triton's interpreter (``TRITON_INTERPRET=1``) every configuration matches the einsum
+in fp64 to 1e-12. On the H200 (2026-11-29, one test run) fp64 with n_ang <= 3 and
+bf16/fp16 with n_ang = 3 matched the reference within their tolerances, while fp32
+(IEEE and TF32) and fp64 with n_ang = 5 did not; the cause is not found yet. So CUDA
+calls outside :data:`CUDA_VALIDATED` fall back to the reference loudly, and the
+failing cases are kept as strict expected failures in ``tests/test_linear.py``. The
+double backward runs the same kernel for dx and an einsum for dW. Not yet timed:
 ``path="auto"`` resolves to ``einsum`` until chapter 2's H200 measurement sets the
 dispatch table.
 """
@@ -55,6 +60,9 @@ __all__ = ["EquivariantLinear", "equivariant_linear"]
 #: Triton kernels run on CPU tensors only when decorated under the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_N_ANG = 8
+#: (dtype, largest n_ang) that matched the reference on the H200; other CUDA calls
+#: fall back to the reference (see the status line above).
+CUDA_VALIDATED = {torch.float64: 3, torch.bfloat16: 3, torch.float16: 3}
 
 
 # --------------------------------------------------------------------------------------
@@ -543,8 +551,14 @@ def _triton_reason(x_cos, weight) -> str | None:
         )
     if x_cos.device.type not in ("cpu", "cuda"):
         return f"device {x_cos.device.type} is not supported"
-    if weight.shape[0] > MAX_N_ANG:
-        return f"n_ang = {weight.shape[0]} > {MAX_N_ANG}"
+    n_ang = weight.shape[0]
+    if n_ang > MAX_N_ANG:
+        return f"n_ang = {n_ang} > {MAX_N_ANG}"
+    if x_cos.device.type == "cuda" and n_ang > CUDA_VALIDATED.get(x_cos.dtype, 0):
+        return (
+            f"{x_cos.dtype} with n_ang = {n_ang} is not validated on CUDA "
+            "(wrong results seen on the H200; see ecekern.linear's status)"
+        )
     return None
 
 

@@ -7,8 +7,15 @@ from ecekern.testing import assert_close_three_way, rel_err
 
 G = lambda s: torch.Generator().manual_seed(s)
 FAST = ["dense", "triton"]
-# the Triton path runs on the GPU where there is one, else in the interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the Triton path runs in the interpreter on CPU machines and on the GPU elsewhere
+DEV = "cpu" if linear.INTERPRET else "cuda"
+
+
+def _served(path, dtype, n_ang):
+    """Whether the fast path serves this call here (CUDA has a validated list)."""
+    if path != "triton" or DEV == "cpu":
+        return True
+    return n_ang <= linear.CUDA_VALIDATED.get(dtype, 0)
 
 
 def _args(B, K, O, n_ang, dtype=torch.float64, seed=0, bias=True, lead=()):
@@ -41,6 +48,8 @@ def _run(path, args, seed=1):
     ids=["awkward", "one-block", "tiny-in", "n_ang5"],
 )
 def test_fp64_matches_einsum_with_all_gradients(path, B, K, O, n_ang):
+    if not _served(path, torch.float64, n_ang):
+        pytest.skip("not validated on CUDA: see test_gpu_known_failures")
     args = _args(B, K, O, n_ang)
     for got, ref in zip(_run(path, args), _run("einsum", args), strict=True):
         assert rel_err(got, ref) < 1e-12
@@ -48,6 +57,8 @@ def test_fp64_matches_einsum_with_all_gradients(path, B, K, O, n_ang):
 
 @pytest.mark.parametrize("path", FAST)
 def test_fp32_three_way_against_fp64(path):
+    if not _served(path, torch.float32, 3):
+        pytest.skip("not validated on CUDA: see test_gpu_known_failures")
     args64 = _args(40, 24, 30, 3)
     args32 = [t.detach().float().requires_grad_() for t in args64]
     ref64 = _run("einsum", args64)
@@ -115,9 +126,9 @@ def test_gradcheck_and_gradgradcheck_of_the_triton_path():
 
 
 def test_state_dict_loads_across_paths():
-    a = ecekern.EquivariantLinear(12, 7, 3, path="einsum").double()
-    b = ecekern.EquivariantLinear(12, 7, 3, path="triton").double()
-    c = ecekern.EquivariantLinear(12, 7, 3, path="dense").double()
+    a = ecekern.EquivariantLinear(12, 7, 3, path="einsum").to(DEV, torch.float64)
+    b = ecekern.EquivariantLinear(12, 7, 3, path="triton").to(DEV, torch.float64)
+    c = ecekern.EquivariantLinear(12, 7, 3, path="dense").to(DEV, torch.float64)
     b.load_state_dict(a.state_dict())
     c.load_state_dict(b.state_dict())
     x = _args(10, 12, 7, 3)[:2]
@@ -187,32 +198,71 @@ def test_model_energy_and_forces_with_each_path(path):
 # ----------------------------------------------------------------------------------
 # GPU: precisions with their stated tolerances (fp64 truth from the reference)
 # ----------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "dtype, tf32, tol",
-    [
-        (torch.float64, False, 1e-12),
-        (torch.float32, False, 1e-5),
-        (torch.float32, True, 3e-3),
-        (torch.bfloat16, False, 3e-2),
-        (torch.float16, False, 5e-3),
-    ],
-)
-@pytest.mark.parametrize("path", FAST)
-def test_gpu_precisions(path, dtype, tf32, tol):
+PRECISIONS = [
+    (torch.float64, False, 1e-12),
+    (torch.float32, False, 1e-5),
+    (torch.float32, True, 3e-3),
+    (torch.bfloat16, False, 3e-2),
+    (torch.float16, False, 5e-3),
+]
+
+
+def _precision_case(run, dtype, tf32, tol, shape=(4099, 192, 192, 3)):
     from ecekern.bench import set_tf32
 
     before = torch.backends.cuda.matmul.allow_tf32
     try:
         set_tf32(tf32)
-        args64 = [t.detach().requires_grad_() for t in _args(4099, 192, 192, 3)]
+        args64 = [t.detach().requires_grad_() for t in _args(*shape)]
         args = [t.detach().to(dtype).requires_grad_() for t in args64]
         truth = _run("einsum", args64)
-        for got, ref in zip(_run(path, args), truth, strict=True):
+        for got, ref in zip(run(args), truth, strict=True):
             assert got.dtype == dtype
             assert rel_err(got, ref) < tol
     finally:
         set_tf32(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tf32, tol", PRECISIONS)
+@pytest.mark.parametrize("path", FAST)
+def test_gpu_precisions(path, dtype, tf32, tol):
+    """The public paths at their stated tolerances; calls the Triton path does not
+    serve on CUDA must fall back loudly and then match like the reference."""
+    if _served(path, dtype, 3):
+        _precision_case(lambda a: _run(path, a), dtype, tf32, tol)
+    else:
+        options.reset_fallback_warnings()
+        with pytest.warns(options.FallbackWarning, match="not validated on CUDA"):
+            _precision_case(lambda a: _run(path, a), dtype, tf32, tol)
+
+
+def _kernel_run(args, seed=1):
+    """The Triton Function directly, past the CUDA gate."""
+    y = linear._EquivariantLinearFn.apply(*args)
+    g = torch.Generator().manual_seed(seed)
+    gy = [
+        torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype)
+        for t in y
+    ]
+    return list(y) + list(torch.autograd.grad(y, args, gy))
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="wrong results on the H200, cause not found")
+@pytest.mark.parametrize(
+    "dtype, tf32, tol, n_ang",
+    [
+        (torch.float32, False, 1e-5, 3),
+        (torch.float32, True, 3e-3, 3),
+        (torch.float64, False, 1e-12, 5),
+    ],
+    ids=["fp32", "tf32", "fp64-n_ang5"],
+)
+def test_gpu_known_failures(dtype, tf32, tol, n_ang):
+    """The configurations the CUDA gate holds back. Strict: once the kernel is fixed
+    this test fails, so the gate and the marker come off together."""
+    _precision_case(_kernel_run, dtype, tf32, tol, n_ang)
 
 
 @pytest.mark.gpu
