@@ -118,6 +118,13 @@ class _Interaction(nn.Module):
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
 
 
+def species_table(cfg: ECEConfig) -> torch.Tensor:
+    """Atomic number -> embedding row (``-1`` for unknown elements), ``(max Z + 1,)``."""
+    table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
+    table[list(cfg.species)] = torch.arange(len(cfg.species))
+    return table
+
+
 def _silu_mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
@@ -151,9 +158,7 @@ class ECEModel(nn.Module):
             )
             self.readout = _silu_mlp([C, cfg.readout_hidden, 1])
             self.species_energy = nn.Parameter(torch.zeros(len(cfg.species)))
-        table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
-        table[list(cfg.species)] = torch.arange(len(cfg.species))
-        self.register_buffer("_species_index", table, persistent=False)
+        self.register_buffer("_species_index", species_table(cfg), persistent=False)
 
     # ----------------------------------------------------------------------------------
     def species_index(self, numbers: torch.Tensor) -> torch.Tensor:

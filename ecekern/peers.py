@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .graph import Graph, edge_vectors
-from .model import ECEConfig, _silu_mlp
+from .model import ECEConfig, _silu_mlp, species_table
 from .reference import envelope, radial_basis
 
 __all__ = ["E3nnConvModel"]
@@ -72,9 +72,7 @@ class E3nnConvModel(nn.Module):
                 )
                 self.lin_out.append(o3.Linear(o3.Irreps(mid), self.irreps_node))
             self.readout = _silu_mlp([C, cfg.readout_hidden, 1])
-        table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
-        table[list(cfg.species)] = torch.arange(len(cfg.species))
-        self.register_buffer("_species_index", table, persistent=False)
+        self.register_buffer("_species_index", species_table(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor, numbers: torch.Tensor, graph: Graph):
         from e3nn import o3
