@@ -119,7 +119,7 @@ class _Interaction(nn.Module):
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:
-    """Atomic number -> embedding row (``-1`` for unknown elements), ``(max Z + 1,)``."""
+    """Atomic number -> embedding row (-1 for unknown elements), ``(max Z + 1,)``."""
     table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
     table[list(cfg.species)] = torch.arange(len(cfg.species))
     return table
