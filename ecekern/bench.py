@@ -68,8 +68,18 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def time_fn(fn, warmup_ms: float = 50.0, rep_ms: float = 300.0, device=None) -> Timing:
-    """Time ``fn()``: warm-up excluded, L2 flushed (CUDA), median and p10/p90 in ms."""
+def time_fn(
+    fn,
+    warmup_ms: float = 50.0,
+    rep_ms: float = 300.0,
+    device=None,
+    min_reps: int = 5,
+) -> Timing:
+    """Time ``fn()``: warm-up excluded, L2 flushed (CUDA), median and p10/p90 in ms.
+
+    Runs for ``rep_ms`` or at least ``min_reps`` timed calls, whichever is longer (a
+    slow call would otherwise be timed once or twice: no median worth the name).
+    """
     device = (
         torch.device(device)
         if device is not None
@@ -80,14 +90,23 @@ def time_fn(fn, warmup_ms: float = 50.0, rep_ms: float = 300.0, device=None) -> 
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        # do_bench sizes its repetitions from a short estimate: give it room for
+        # min_reps calls of the estimated length
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        est_ms = (time.perf_counter() - t0) * 1e3
+        rep = max(rep_ms, min_reps * est_ms * 1.2)
+        times = do_bench(fn, warmup=warmup_ms, rep=rep, return_mode="all")
     else:
         t_end = time.perf_counter() + warmup_ms / 1e3
         fn()
         while time.perf_counter() < t_end:
             fn()
         times, t_end = [], time.perf_counter() + rep_ms / 1e3
-        while time.perf_counter() < t_end or len(times) < 3:
+        while time.perf_counter() < t_end or len(times) < min_reps:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

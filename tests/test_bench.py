@@ -10,8 +10,17 @@ from ecekern import bench
 def test_time_fn_on_cpu_reports_ordered_percentiles():
     x = torch.randn(10_000)
     t = bench.time_fn(lambda: torch.sin(x), warmup_ms=1, rep_ms=10, device="cpu")
-    assert t.n >= 3
+    assert t.n >= 5
     assert 0 < t.p10 <= t.median <= t.p90
+
+
+def test_time_fn_times_slow_calls_min_reps_times():
+    import time
+
+    t = bench.time_fn(
+        lambda: time.sleep(0.02), warmup_ms=0, rep_ms=1, device="cpu", min_reps=4
+    )
+    assert t.n == 4 and t.median >= 20
 
 
 def test_time_fn_sees_the_difference_between_small_and_large_work():
@@ -73,5 +82,7 @@ def test_time_fn_and_peak_memory_on_gpu():
     x = torch.randn(1 << 24, device="cuda")
     t = bench.time_fn(lambda: x * 2, warmup_ms=5, rep_ms=20)
     assert 0 < t.p10 <= t.median <= t.p90
+    slow = bench.time_fn(lambda: torch.cuda._sleep(50_000_000), rep_ms=1, min_reps=5)
+    assert slow.n >= 5
     peak = bench.peak_memory(lambda: x * 2)
     assert peak >= x.numel() * 4
