@@ -17,6 +17,7 @@ from . import options, reference, so3, systems
 from .graph import Graph, build_graph, neighbor_list
 from .linear import EquivariantLinear
 from .model import ECEConfig, ECEModel, energy_and_forces
+from .zonal import zonal_scatter
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,5 @@ __all__ = [
     "reference",
     "so3",
     "systems",
+    "zonal_scatter",
 ]

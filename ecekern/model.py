@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import options, reference, so3
+from . import options, reference, so3, zonal
 from .graph import Graph, build_graph, edge_vectors
 from .linear import EquivariantLinear
 
@@ -228,7 +228,7 @@ class ECEModel(nn.Module):
         """Per-atom energies ``(N,)``."""
         self._check(positions, numbers, graph)
         opts = options.current()
-        for name in ("packed_d", "sync_free_unpack", "fused_scatter", "edge_cohorts"):
+        for name in ("packed_d", "sync_free_unpack", "edge_cohorts"):
             if getattr(opts, name):
                 options.fallback(f"ECEModel[{name}]", "not built in this version")
         cfg = self.config
@@ -245,9 +245,10 @@ class ECEModel(nn.Module):
             D = so3.edge_frames(L, r, gauge)  # (E, S, S)
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
-            h_rest = reference.zonal_scatter(
-                Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k
+            scatter = (
+                zonal.zonal_scatter if opts.fused_scatter else reference.zonal_scatter
             )
+            h_rest = scatter(Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
             h0 = self.embedding(species)[:, None, :]
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
         for layer, rho_t in zip(

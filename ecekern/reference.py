@@ -148,6 +148,23 @@ def zonal_rows(D: torch.Tensor) -> torch.Tensor:
     return torch.gather(D, 1, rows)[:, 0, 1:]
 
 
+def check_zonal_scatter(Z, R, dst, row_ptr) -> int:
+    """Shapes, dtypes, devices and CSR consistency of :func:`zonal_scatter`'s
+    arguments; returns N."""
+    _float("Z", Z)
+    _float("R", R)
+    _same("Z", Z, R=R)
+    if R.ndim != 3:
+        raise ValueError(f"R must have shape (E, L, C), got {tuple(R.shape)}")
+    E, L, C = R.shape
+    S = (L + 1) ** 2
+    if Z.shape != (E, S - 1):
+        raise ValueError(
+            f"Z must have shape (E, S-1) = ({E}, {S - 1}), got {tuple(Z.shape)}"
+        )
+    return check_csr(dst, row_ptr, E, Z.device)
+
+
 def zonal_scatter(
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -170,18 +187,9 @@ def zonal_scatter(
     The reference broadcasts ``R`` over each degree's ``2l+1`` rows and ``index_add_``s
     the ``(E, S-1, C)`` message tensor: the memory cost chapter 5 removes.
     """
-    _float("Z", Z)
-    _float("R", R)
-    _same("Z", Z, R=R)
-    if R.ndim != 3:
-        raise ValueError(f"R must have shape (E, L, C), got {tuple(R.shape)}")
+    n = check_zonal_scatter(Z, R, dst, row_ptr)
     E, L, C = R.shape
     S = (L + 1) ** 2
-    if Z.shape != (E, S - 1):
-        raise ValueError(
-            f"Z must have shape (E, S-1) = ({E}, {S - 1}), got {tuple(Z.shape)}"
-        )
-    n = check_csr(dst, row_ptr, E, Z.device)
     l_of_s = lm_tables(L).l_of_s[1:].to(Z.device)  # degrees 1..L of rows 1..S-1
     msg = Z[:, :, None] * R[:, l_of_s - 1, :]  # (E, S-1, C): the big tensor
     out = Z.new_zeros(n, S - 1, C).index_add_(0, dst, msg * scale)

@@ -192,7 +192,7 @@ def test_bad_inputs(box):
 def test_fast_path_request_falls_back_loudly(box):
     model = _model()
     ecekern.options.reset_fallback_warnings()
-    with ecekern.options.use(fused_scatter=True):
+    with ecekern.options.use(edge_cohorts=True):
         with pytest.warns(ecekern.options.FallbackWarning, match="not built"):
             e, _ = ecekern.energy_and_forces(model, box)
     e_ref, _ = ecekern.energy_and_forces(model, box)
