@@ -660,3 +660,17 @@ class EquivariantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"n_ang={self.n_ang}, bias={self.bias is not None}, path={self.path!r}"
         )
+
+
+def traffic(B: int, K: int, O: int, n_ang: int, elem_size: int) -> dict:
+    """The bytes and flops model of one forward call (cos and sin) on B rows.
+
+    ``bytes``: x read once, y written once, W read once; ``flops``: the needed
+    multiply-adds of the per-mode products (what the Triton path does);
+    ``flops_dense``: what the block-diagonal GEMM does (n_ang times more).
+    """
+    return {
+        "bytes": elem_size * (2 * B * n_ang * (K + O) + n_ang * O * K + O),
+        "flops": 2 * 2 * B * K * O * n_ang,
+        "flops_dense": 2 * 2 * B * K * O * n_ang * n_ang,
+    }

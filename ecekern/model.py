@@ -25,7 +25,7 @@ __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_
 
 @dataclass(frozen=True)
 class ECEConfig:
-    """Hyper-parameters of :class:`ECEModel` (defaults: DESIGN section 2).
+    """Hyper-parameters of :class:`ECEModel`; the defaults are the book's model.
 
     Attributes:
         lmax: L, the largest degree (1..4 tested).

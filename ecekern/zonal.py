@@ -405,3 +405,21 @@ def zonal_scatter(Z, R, dst, row_ptr, scale: float) -> torch.Tensor:
         options.fallback("zonal_scatter", reason)
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
     return _scatter_op(Z.contiguous(), R.contiguous(), dst, row_ptr, float(scale))
+
+
+def traffic(E: int, N: int, L: int, C: int, elem_size: int) -> dict:
+    """The bytes and flops model of the forward and the backward.
+
+    Forward: Z and R read once, the ``(N, S, C)`` output written once, plus the CSR
+    pointer. Backward: G gathered once per edge (its rows are read once per incoming
+    edge: ``E (S-1) C`` elements, the cost of gather-only), Z and R read, dZ and dR
+    written, plus ``dst``.
+    """
+    S = (L + 1) ** 2
+    z, r = E * (S - 1), E * L * C
+    return {
+        "bytes_fwd": elem_size * (z + r + N * S * C) + 8 * (N + 1),
+        "bytes_bwd": elem_size * (E * (S - 1) * C + 2 * z + 2 * r) + 8 * E,
+        "flops_fwd": 2 * E * (S - 1) * C,
+        "message_bytes": elem_size * E * (S - 1) * C,
+    }

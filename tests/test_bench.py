@@ -86,3 +86,16 @@ def test_time_fn_and_peak_memory_on_gpu():
     assert slow.n >= 5
     peak = bench.peak_memory(lambda: x * 2)
     assert peak >= x.numel() * 4
+
+
+def test_traffic_models():
+    from ecekern import linear, zonal
+
+    t = linear.traffic(100_000, 192, 192, 3, 4)
+    # intensity of the needed flops is K O / (2 (K + O)) flop/byte when B dominates
+    assert t["flops"] / t["bytes"] == pytest.approx(192 * 192 / (2 * 384), rel=0.02)
+    assert t["flops_dense"] == 3 * t["flops"]
+    z = zonal.traffic(365_000, 4096, 3, 32, 4)
+    # the numbers: about 160 MB read, 8 MB written, a 700 MB message tensor
+    assert 150e6 < z["bytes_fwd"] < 180e6
+    assert 700e6 < z["message_bytes"] < 800e6
