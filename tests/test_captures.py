@@ -56,3 +56,34 @@ def test_load_errors_clearly(tmp_path):
     (tmp_path / "t.csv").write_text("n,v\n1,2.5\n3,abc\n")
     cap = captures.load("x", root=tmp_path)
     assert cap.csv("t") == [{"n": 1, "v": 2.5}, {"n": 3, "v": "abc"}]
+
+
+@pytest.mark.skipif(
+    not __import__("ecekern.linear").linear.INTERPRET, reason="CPU smoke test"
+)
+@pytest.mark.parametrize("chapter", ["02_block_diagonal_gemm", "05_fused_scatter"])
+def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkeypatch):
+    """The GPU sweeps, at tiny sizes in the interpreter: every row is written and every
+    fast path agrees with float64 (the same rows, on the H200, lift the CUDA gates)."""
+    import csv
+
+    from ecekern import bench
+    from ecekern.captures import chapters
+
+    real = bench.time_fn
+    monkeypatch.setattr(
+        bench, "time_fn", lambda fn, **kw: real(fn, warmup_ms=0, rep_ms=0, min_reps=1)
+    )
+    info = chapters.REGISTRY[chapter](tmp_path, quick=True, ncu=False)
+    assert info == {}
+    (csv_path,) = tmp_path.glob("*.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert all("error" not in r or not r["error"] for r in rows)
+    key = "path" if chapter.startswith("02") else "op"
+    assert {r[key] for r in rows} == (
+        {"einsum", "dense", "triton"} if key == "path" else {"reference", "fused"}
+    )
+    for r in rows:
+        tol = 2e-2 if r["dtype"].startswith("bfloat16") else 1e-5
+        assert float(r["rel_err_vs_fp64"]) < tol, r
+        assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0

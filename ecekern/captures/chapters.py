@@ -363,4 +363,250 @@ def einsum_reference(
     return info
 
 
-REGISTRY = {"methodology": methodology, "01_einsum_reference": einsum_reference}
+# --------------------------------------------------------------------------------------
+def _device() -> str:
+    """``cuda`` where there is a GPU; on a CPU the sweeps run as a smoke test."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ceilings() -> dict:
+    """Our measured H200 ceilings from the methodology capture (fallbacks otherwise)."""
+    from . import load
+
+    c = dict(bench.CEILINGS_H200)
+    try:
+        rows = load("methodology").csv("ceilings")
+    except FileNotFoundError:
+        return c
+    c["copy_GBps"] = max(
+        r["rate"] for r in rows if r["kind"] in ("copy", "elementwise")
+    )
+    for r in rows:
+        if r["kind"] == "gemm":
+            c[f"gemm_{r['dtype']}"] = r["rate"]
+    return c
+
+
+def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dict:
+    """Chapter 2: EquivariantLinear, einsum vs dense vs triton, over E, n_ang, dtype.
+
+    Each row: forward and forward+backward times, the floor (DRAM bytes at the copy
+    bandwidth, or the needed flops at the dtype's GEMM ceiling), the fraction of it,
+    and the relative error of the forward against float64 on fresh inputs. The Triton
+    path is called past its CUDA gate (``_EquivariantLinearFn``): these rows are how
+    the gate gets lifted.
+    """
+    from .. import linear, reference
+
+    ceil = _ceilings()
+    rows = []
+    dev = _device()
+    F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
+    Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
+    angs = [3] if quick else [2, 3, 4, 5]
+    precisions = [
+        (torch.float32, False, "gemm_float32"),
+        (torch.float32, True, "gemm_float32+tf32"),
+        (torch.bfloat16, False, "gemm_bfloat16"),
+    ]
+    paths = {
+        "einsum": lambda xc, xs, w, b: reference.equivariant_linear(xc, xs, w, b),
+        "dense": lambda xc, xs, w, b: linear._dense(xc, xs, w, b),
+        "triton": lambda xc, xs, w, b: linear._EquivariantLinearFn.apply(xc, xs, w, b),
+    }
+    for E in Es:
+        for n_ang in angs:
+            g = torch.Generator(device=dev).manual_seed(E + n_ang)
+            x64 = [
+                torch.randn(E, F, n_ang, device=dev, dtype=torch.float64, generator=g)
+                for _ in range(2)
+            ]
+            w64 = (
+                torch.randn(n_ang, F, F, device=dev, dtype=torch.float64, generator=g)
+                / F**0.5
+            )
+            b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
+            truth = reference.equivariant_linear(*x64, w64, b64)
+            for dtype, tf32, ceiling in precisions:
+                bench.set_tf32(tf32)
+                xc, xs = (t.to(dtype).requires_grad_() for t in x64)
+                w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
+                model = linear.traffic(E, F, F, n_ang, xc.element_size())
+                for name, fn in paths.items():
+                    try:
+                        y = fn(xc, xs, w, b)
+                        err = max(rel_err_gpu(a, t) for a, t in zip(y, truth))
+                        t_f = bench.time_fn(lambda fn=fn: fn(xc, xs, w, b))
+                        gy = [torch.randn_like(t) for t in y]
+
+                        def fwd_bwd(fn=fn, gy=gy):
+                            out = fn(xc, xs, w, b)
+                            torch.autograd.backward(out, gy)
+
+                        t_fb = bench.time_fn(fwd_bwd)
+                    except Exception as exc:
+                        rows.append(
+                            {
+                                "E": E,
+                                "n_ang": n_ang,
+                                "path": name,
+                                "error": repr(exc)[:300],
+                                **bench.provenance(dtype),
+                            }
+                        )
+                        bench.write_csv(rows, out / "linear_sweep.csv")
+                        continue
+                    floor = bench.floor_ms(
+                        model["bytes"],
+                        model["flops"],
+                        ceil["copy_GBps"],
+                        ceil.get(ceiling),
+                    )
+                    rows.append(
+                        {
+                            "E": E,
+                            "F": F,
+                            "n_ang": n_ang,
+                            "path": name,
+                            "forward_ms": t_f.median,
+                            "forward_p10_ms": t_f.p10,
+                            "forward_p90_ms": t_f.p90,
+                            "fwd_bwd_ms": t_fb.median,
+                            "bytes": model["bytes"],
+                            "flops": model["flops"],
+                            "floor_ms": floor,
+                            "floor_fraction": floor / t_f.median,
+                            "rel_err_vs_fp64": err,
+                            **bench.provenance(dtype),
+                        }
+                    )
+                    print(
+                        name,
+                        E,
+                        n_ang,
+                        rows[-1]["dtype"],
+                        f"{t_f.median:.3f} ms",
+                        f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
+                        flush=True,
+                    )
+                    bench.write_csv(rows, out / "linear_sweep.csv")
+            bench.set_tf32(False)
+            _free()
+    info = {}
+    if ncu:
+        info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
+    return info
+
+
+def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` on the device, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
+    """Chapter 5: the zonal scatter, reference vs fused, over E, L and C.
+
+    Rows: forward and forward+backward times, peak memory of forward+backward, the
+    DRAM floor of the forward and its fraction, and the relative error against
+    float64. The fused op is called past its CUDA gate (``zonal._scatter_op``).
+    """
+    from .. import reference, zonal
+    from ..graph import csr_row_ptr
+
+    ceil = _ceilings()
+    rows = []
+    dev = _device()
+    small = (4096, 3, 32) if dev == "cuda" else (300, 2, 8)
+    cases = (
+        [small]
+        if quick
+        else (
+            [(E, 3, 32) for E in (46_000, 365_000, 1_000_000, 3_000_000)]
+            + [(365_000, L, 32) for L in (1, 2, 4)]
+            + [(365_000, 3, C) for C in (16, 64, 100)]
+        )
+    )
+    ops = {
+        "reference": reference.zonal_scatter,
+        "fused": lambda *a: zonal._scatter_op(*a),
+    }
+    for E, L, C in cases:
+        N = max(1, E // 89)
+        g = torch.Generator(device=dev).manual_seed(E + L + C)
+        dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
+        row_ptr = csr_row_ptr(dst, N)
+        Z64 = torch.randn(
+            E, (L + 1) ** 2 - 1, device=dev, dtype=torch.float64, generator=g
+        )
+        R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
+        truth = reference.zonal_scatter(Z64, R64, dst, row_ptr, 0.1)
+        Z, R = Z64.float().requires_grad_(), R64.float().requires_grad_()
+        model = zonal.traffic(E, N, L, C, 4)
+        for name, fn in ops.items():
+            try:
+                h = fn(Z, R, dst, row_ptr, 0.1)
+                err = rel_err_gpu(h, truth)
+                G = torch.randn_like(h)
+                t_f = bench.time_fn(lambda fn=fn: fn(Z, R, dst, row_ptr, 0.1))
+
+                def fwd_bwd(fn=fn, G=G):
+                    torch.autograd.backward(fn(Z, R, dst, row_ptr, 0.1), G)
+
+                t_fb = bench.time_fn(fwd_bwd)
+                mem = bench.peak_memory(fwd_bwd)
+            except Exception as exc:
+                rows.append(
+                    {
+                        "E": E,
+                        "L": L,
+                        "C": C,
+                        "op": name,
+                        "error": repr(exc)[:300],
+                        **bench.provenance(torch.float32),
+                    }
+                )
+                bench.write_csv(rows, out / "scatter_sweep.csv")
+                continue
+            floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
+            rows.append(
+                {
+                    "E": E,
+                    "N": N,
+                    "L": L,
+                    "C": C,
+                    "op": name,
+                    "forward_ms": t_f.median,
+                    "forward_p10_ms": t_f.p10,
+                    "forward_p90_ms": t_f.p90,
+                    "fwd_bwd_ms": t_fb.median,
+                    "peak_mem_MiB": mem / 2**20,
+                    "bytes_fwd": model["bytes_fwd"],
+                    "floor_ms": floor,
+                    "floor_fraction": floor / t_f.median,
+                    "rel_err_vs_fp64": err,
+                    **bench.provenance(torch.float32),
+                }
+            )
+            print(
+                name,
+                E,
+                L,
+                C,
+                f"fwd {t_f.median:.3f} ms fwd+bwd {t_fb.median:.3f} ms err {err:.1e}",
+                flush=True,
+            )
+            bench.write_csv(rows, out / "scatter_sweep.csv")
+        _free()
+    info = {}
+    if ncu:
+        info["ncu_fused"] = run_ncu("zonal_fused", out / "ncu_fused.csv")
+    return info
+
+
+REGISTRY = {
+    "methodology": methodology,
+    "01_einsum_reference": einsum_reference,
+    "02_block_diagonal_gemm": block_diagonal_gemm,
+    "05_fused_scatter": fused_scatter,
+}

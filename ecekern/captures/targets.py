@@ -46,7 +46,36 @@ def force_step(repeats: int = 4):
     _in_range(lambda: step(model, *inputs))
 
 
-TARGETS = {"copy": copy, "gemm": gemm, "force_step": force_step}
+def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
+    from ecekern import linear
+
+    x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
+    w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
+    b = torch.randn(F, device="cuda")
+    _in_range(lambda: linear._EquivariantLinearFn.apply(*x, w, b))
+
+
+def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
+    from ecekern import zonal
+    from ecekern.graph import csr_row_ptr
+
+    N = E // 89
+    dst = torch.sort(torch.randint(0, N, (E,), device="cuda")).values
+    row_ptr = csr_row_ptr(dst, N)
+    Z = torch.randn(E, (L + 1) ** 2 - 1, device="cuda")
+    R = torch.randn(E, L, C, device="cuda")
+    G = torch.randn(N, (L + 1) ** 2, C, device="cuda")
+    _in_range(lambda: zonal._gather_op(G, Z, R, dst, row_ptr, 0.1))
+    _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
+
+
+TARGETS = {
+    "copy": copy,
+    "gemm": gemm,
+    "force_step": force_step,
+    "eqlin_triton": eqlin_triton,
+    "zonal_fused": zonal_fused,
+}
 
 if __name__ == "__main__":
     TARGETS[sys.argv[1]]()
