@@ -380,7 +380,7 @@ def _precision(dtype: torch.dtype) -> tuple[str, object, bool]:
     return "ieee", tl.float32, INTERPRET  # bf16 / fp16: fp32 accumulation
 
 
-def _blocks(n_ang: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_B, BLOCK_K, BLOCK_O, num_warps): one config (the interpreter runs one)."""
     if INTERPRET:
         return 16, 16, 16, 1
@@ -404,7 +404,7 @@ def eqlin_fwd(
         if bias is not None:
             y[:, :, 0] += bias
         return y
-    BB, BK, BO, warps = _blocks(n_ang, x.dtype)
+    BB, BK, BO, warps = _blocks(x.dtype)
     precision, acc, upcast = _precision(x.dtype)
     grid = (triton.cdiv(B, BB), triton.cdiv(O, BO))
     _eqlin_fwd_kernel[grid](
@@ -447,7 +447,7 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
     if B == 0 or K == 0 or O == 0:
         return torch.zeros((n_ang, O, K), device=xc.device, dtype=xc.dtype)
-    BB, BK, BO, warps = _blocks(n_ang, xc.dtype)
+    BB, BK, BO, warps = _blocks(xc.dtype)
     rows = (
         max(BB, triton.cdiv(triton.cdiv(B, 64), BB) * BB) if not INTERPRET else 4 * BB
     )
