@@ -14,6 +14,8 @@ quick=""
 if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
 chapters=${*:-methodology 01_einsum_reference}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+# the tests compile many kernel variants on first use: bound them so captures still run
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings \
+  --durations=10 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 python3 -m ecekern.captures $chapters --out /tmp/caps $quick 2>&1 | tee "$OUT/captures.log"
 cp /tmp/caps/captures.tar.gz "$OUT/"
