@@ -70,7 +70,7 @@ CUDA_VALIDATED = {torch.float64: 3, torch.bfloat16: 3, torch.float16: 3}
 #: from the sm_90 TTGIR compiled on a CPU machine); bf16, which passed, was not
 #: pipelined. One stage turns the pipelining off everywhere: the leading hypothesis,
 #: not yet run on a GPU (the CUDA gate stays until it is).
-STAGES = 1
+STAGES = int(os.environ.get("ECEKERN_TRITON_STAGES", "1"))
 
 
 # --------------------------------------------------------------------------------------
