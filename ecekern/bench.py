@@ -195,14 +195,18 @@ def _driver() -> str:
 def provenance(dtype: torch.dtype | None = None, command: str | None = None) -> dict:
     """Where a number came from: device, driver, versions, commit, dtype, date and
     command."""
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "driver": _driver() if cuda else "none",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "commit": _git_commit(),
         "dtype": dtype_label(dtype) if dtype is not None else "",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

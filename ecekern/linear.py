@@ -51,8 +51,14 @@ import math
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels on this platform: reference paths only
+    from . import _no_triton as triton
+
+    tl = triton.language
 from torch import nn
 
 from . import options, reference
@@ -555,6 +561,8 @@ def _dense(x_cos, x_sin, weight, bias):
 
 def _triton_reason(x_cos, weight) -> str | None:
     """Why the Triton path cannot serve this call, or None."""
+    if not getattr(triton, "AVAILABLE", True):
+        return "Triton is not installed on this platform"
     if x_cos.device.type == "cpu" and not INTERPRET:
         return (
             "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"

@@ -41,8 +41,14 @@ have run on a GPU (:data:`CUDA_VALIDATED`).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels on this platform: reference paths only
+    from . import _no_triton as triton
+
+    tl = triton.language
 
 from . import options, reference
 from .linear import INTERPRET
@@ -377,6 +383,8 @@ _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # public function
 # --------------------------------------------------------------------------------------
 def _reason(Z: torch.Tensor) -> str | None:
+    if not getattr(triton, "AVAILABLE", True):
+        return "Triton is not installed on this platform"
     if Z.device.type == "cpu" and not INTERPRET:
         return (
             "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"

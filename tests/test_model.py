@@ -261,3 +261,41 @@ def test_device_mismatch_is_a_clear_error(box):
         model(pos, numbers, graph)
     with pytest.raises(ValueError, match="cell"):
         ecekern.neighbor_list(pos.cuda(), torch.eye(3, dtype=pos.dtype), True, 2.0)
+
+
+def test_the_library_works_without_triton():
+    """Where Triton has no wheels (macOS, Windows) the reference serves every call and
+    the fast paths say so."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings
+sys.modules["triton"] = None
+import torch, ecekern
+from ecekern import linear, options
+atoms = ecekern.systems.diamond(1)
+cfg = ecekern.ECEConfig(channels=2, radial_hidden=4, readout_hidden=2)
+model = ecekern.ECEModel(cfg)
+e, f = ecekern.energy_and_forces(model, atoms)
+x = torch.randn(3, 4, 2, dtype=torch.float64)
+w = torch.randn(2, 5, 4, dtype=torch.float64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    linear.equivariant_linear(x, x, w, None, path="triton")
+    with options.use(fused_scatter=True):
+        ecekern.energy_and_forces(model, atoms)
+msgs = [str(c.message) for c in caught]
+assert sum("Triton is not installed" in m for m in msgs) == 2, msgs
+print("ok", bool(torch.isfinite(e)))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok True"
