@@ -40,6 +40,8 @@ have run on a GPU (:data:`CUDA_VALIDATED`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -220,8 +222,10 @@ def _zonal_gather_kernel(
 # --------------------------------------------------------------------------------------
 # launchers: check, allocate, launch
 # --------------------------------------------------------------------------------------
-def _l_index(L: int, device) -> torch.Tensor:
-    """``l(s) - 1`` for rows s = 1..S-1, int32."""
+@functools.cache
+def _l_index(L: int, device: torch.device) -> torch.Tensor:
+    """``l(s) - 1`` for rows s = 1..S-1, int32; built once per (L, device), not a
+    host-to-device copy on every launch."""
     return (lm_tables(L).l_of_s[1:] - 1).to(device=device, dtype=torch.int32)
 
 
