@@ -77,6 +77,9 @@ CUDA_VALIDATED = {torch.float64: 3, torch.bfloat16: 3, torch.float16: 3}
 #: pipelined. One stage turns the pipelining off everywhere: the leading hypothesis,
 #: not yet run on a GPU (the CUDA gate stays until it is).
 STAGES = int(os.environ.get("ECEKERN_TRITON_STAGES", "1"))
+#: Split the modes of one contiguous tile in registers (True) or load each mode as its
+#: own strided tile (False): the same bytes from DRAM, the second leans on L1.
+SPLIT = os.environ.get("ECEKERN_TRITON_SPLIT", "1") == "1"
 
 
 # --------------------------------------------------------------------------------------
@@ -89,9 +92,22 @@ def _mode(t3, offs_m, m: tl.constexpr):
 
 
 @triton.jit
+def _mode_of(t3, offs_m, ptrs2, mask2, stride_m, m: tl.constexpr, SPLIT: tl.constexpr):
+    """Mode m as ``[R, C]``: split from the contiguous tile t3 in registers (SPLIT),
+    or loaded directly as a strided tile (stride n_ang between neighbours)."""
+    if SPLIT:
+        return _mode(t3, offs_m, m)
+    else:
+        return tl.load(ptrs2 + m * stride_m, mask=mask2, other=0.0)
+
+
+@triton.jit
 def _mode_dot(
     x3,
     offs_m,
+    x_ptrs2,
+    x_mask2,
+    stride_x_m,
     w_tile_ptrs,
     w_mask,
     stride_w_m,
@@ -99,9 +115,10 @@ def _mode_dot(
     m: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """``acc + x3[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_O]`` tile of W."""
-    xm = _mode(x3, offs_m, m)  # [BLOCK_B, BLOCK_K]
+    """``acc + x[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_O]`` tile of W."""
+    xm = _mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT)  # [BB, BK]
     wm = tl.load(
         w_tile_ptrs + m * stride_w_m, mask=w_mask, other=0.0
     )  # [BLOCK_K, BLOCK_O]
@@ -144,6 +161,7 @@ def _eqlin_fwd_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile; axis 2 of the grid picks cos/sin
     (bias only for cos: the launcher passes HAS_BIAS for the cos launch)."""
@@ -175,84 +193,217 @@ def _eqlin_fwd_kernel(
             + offs_m[None, None, :] * stride_x_m
         )
         x_mask = mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :]
-        x3 = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        x_ptrs2 = x_ptr + offs_b[:, None] * stride_x_b + offs_k[None, :] * stride_x_k
+        x_mask2 = mask_b[:, None] & mask_k[None, :]
+        if SPLIT:
+            x3 = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        else:
+            x3 = x_ptrs  # unused
         # 2. one true dot per mode against W[m]^T, [BLOCK_K, BLOCK_O]
         w_ptrs = w_ptr + offs_k[:, None] * stride_w_k + offs_o[None, :] * stride_w_o
         w_mask = mask_k[:, None] & mask_o[None, :]
         acc0 = _mode_dot(
-            x3, offs_m, w_ptrs, w_mask, stride_w_m, acc0, 0, PRECISION, UPCAST
+            x3,
+            offs_m,
+            x_ptrs2,
+            x_mask2,
+            stride_x_m,
+            w_ptrs,
+            w_mask,
+            stride_w_m,
+            acc0,
+            0,
+            PRECISION,
+            UPCAST,
+            SPLIT,
         )
         if N_ANG > 1:
             acc1 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc1, 1, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc1,
+                1,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 2:
             acc2 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc2, 2, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc2,
+                2,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 3:
             acc3 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc3, 3, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc3,
+                3,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 4:
             acc4 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc4, 4, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc4,
+                4,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 5:
             acc5 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc5, 5, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc5,
+                5,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 6:
             acc6 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc6, 6, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc6,
+                6,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
         if N_ANG > 7:
             acc7 = _mode_dot(
-                x3, offs_m, w_ptrs, w_mask, stride_w_m, acc7, 7, PRECISION, UPCAST
+                x3,
+                offs_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                w_ptrs,
+                w_mask,
+                stride_w_m,
+                acc7,
+                7,
+                PRECISION,
+                UPCAST,
+                SPLIT,
             )
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc0 += bias[None, :]
-    # 3. interleave the modes in registers; store one [BLOCK_B, BLOCK_O, NA_PAD] tile
-    sel = offs_m[None, None, :]
-    y3 = tl.where(sel == 0, acc0[:, :, None], 0.0)
-    if N_ANG > 1:
-        y3 += tl.where(sel == 1, acc1[:, :, None], 0.0)
-    if N_ANG > 2:
-        y3 += tl.where(sel == 2, acc2[:, :, None], 0.0)
-    if N_ANG > 3:
-        y3 += tl.where(sel == 3, acc3[:, :, None], 0.0)
-    if N_ANG > 4:
-        y3 += tl.where(sel == 4, acc4[:, :, None], 0.0)
-    if N_ANG > 5:
-        y3 += tl.where(sel == 5, acc5[:, :, None], 0.0)
-    if N_ANG > 6:
-        y3 += tl.where(sel == 6, acc6[:, :, None], 0.0)
-    if N_ANG > 7:
-        y3 += tl.where(sel == 7, acc7[:, :, None], 0.0)
-    y_ptrs = (
-        y_ptr
-        + offs_b[:, None, None] * stride_y_b
-        + offs_o[None, :, None] * stride_y_o
-        + offs_m[None, None, :] * stride_y_m
-    )
-    y_mask = mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :]
-    tl.store(y_ptrs, y3.to(y_ptr.dtype.element_ty), mask=y_mask)
+    if SPLIT:  # 3. interleave the modes in registers; one [BB, BO, NA_PAD] store
+        sel = offs_m[None, None, :]
+        y3 = tl.where(sel == 0, acc0[:, :, None], 0.0)
+        if N_ANG > 1:
+            y3 += tl.where(sel == 1, acc1[:, :, None], 0.0)
+        if N_ANG > 2:
+            y3 += tl.where(sel == 2, acc2[:, :, None], 0.0)
+        if N_ANG > 3:
+            y3 += tl.where(sel == 3, acc3[:, :, None], 0.0)
+        if N_ANG > 4:
+            y3 += tl.where(sel == 4, acc4[:, :, None], 0.0)
+        if N_ANG > 5:
+            y3 += tl.where(sel == 5, acc5[:, :, None], 0.0)
+        if N_ANG > 6:
+            y3 += tl.where(sel == 6, acc6[:, :, None], 0.0)
+        if N_ANG > 7:
+            y3 += tl.where(sel == 7, acc7[:, :, None], 0.0)
+        y_ptrs = (
+            y_ptr
+            + offs_b[:, None, None] * stride_y_b
+            + offs_o[None, :, None] * stride_y_o
+            + offs_m[None, None, :] * stride_y_m
+        )
+        y_mask = mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :]
+        tl.store(y_ptrs, y3.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:  # 3. one strided [BB, BO] store per mode
+        yp = y_ptr + offs_b[:, None] * stride_y_b + offs_o[None, :] * stride_y_o
+        ym = mask_b[:, None] & mask_o[None, :]
+        ty = y_ptr.dtype.element_ty
+        tl.store(yp, acc0.to(ty), mask=ym)
+        if N_ANG > 1:
+            tl.store(yp + stride_y_m, acc1.to(ty), mask=ym)
+        if N_ANG > 2:
+            tl.store(yp + 2 * stride_y_m, acc2.to(ty), mask=ym)
+        if N_ANG > 3:
+            tl.store(yp + 3 * stride_y_m, acc3.to(ty), mask=ym)
+        if N_ANG > 4:
+            tl.store(yp + 4 * stride_y_m, acc4.to(ty), mask=ym)
+        if N_ANG > 5:
+            tl.store(yp + 5 * stride_y_m, acc5.to(ty), mask=ym)
+        if N_ANG > 6:
+            tl.store(yp + 6 * stride_y_m, acc6.to(ty), mask=ym)
+        if N_ANG > 7:
+            tl.store(yp + 7 * stride_y_m, acc7.to(ty), mask=ym)
 
 
 @triton.jit
 def _mode_outer(
-    g3, x3, offs_m, acc, m: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr
+    g3,
+    x3,
+    offs_m,
+    g_ptrs2,
+    g_mask2,
+    stride_g_m,
+    x_ptrs2,
+    x_mask2,
+    stride_x_m,
+    acc,
+    m: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """``acc + g3[:, :, m]^T @ x3[:, :, m]``: ``[BLOCK_O, BLOCK_K]``."""
-    gm = _mode(g3, offs_m, m)  # [BLOCK_B, BLOCK_O]
-    xm = _mode(x3, offs_m, m)  # [BLOCK_B, BLOCK_K]
+    """``acc + g[:, :, m]^T @ x[:, :, m]``: ``[BLOCK_O, BLOCK_K]``."""
+    gm = _mode_of(g3, offs_m, g_ptrs2, g_mask2, stride_g_m, m, SPLIT)  # [BB, BO]
+    xm = _mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT)  # [BB, BK]
     if UPCAST:
         gm = gm.to(tl.float32)
         xm = xm.to(tl.float32)
     else:
-        gm = gm.to(g3.dtype)
-        xm = xm.to(x3.dtype)
+        gm = gm.to(g_ptrs2.dtype.element_ty)
+        xm = xm.to(x_ptrs2.dtype.element_ty)
     return tl.dot(tl.trans(gm), xm, acc, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
@@ -288,6 +439,7 @@ def _eqlin_bwd_w_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Partial ``dW[m, o, k]`` over one chunk of rows: ``part[chunk, m, o, k]``.
 
@@ -326,28 +478,161 @@ def _eqlin_bwd_w_kernel(
             + offs_m[None, None, :] * stride_x_m
         )
         x_mask = mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :]
+        g_off2 = offs_b[:, None] * stride_g_b + offs_o[None, :] * stride_g_o
+        g_mask2 = mask_b[:, None] & mask_o[None, :]
+        x_off2 = offs_b[:, None] * stride_x_b + offs_k[None, :] * stride_x_k
+        x_mask2 = mask_b[:, None] & mask_k[None, :]
         for part in tl.static_range(2):  # cos, then sin
             if part == 0:
-                g3 = tl.load(gc_ptr + g_off, mask=g_mask, other=0.0)
-                x3 = tl.load(xc_ptr + x_off, mask=x_mask, other=0.0)
+                g_ptrs2 = gc_ptr + g_off2
+                x_ptrs2 = xc_ptr + x_off2
+                if SPLIT:
+                    g3 = tl.load(gc_ptr + g_off, mask=g_mask, other=0.0)
+                    x3 = tl.load(xc_ptr + x_off, mask=x_mask, other=0.0)
             else:
-                g3 = tl.load(gs_ptr + g_off, mask=g_mask, other=0.0)
-                x3 = tl.load(xs_ptr + x_off, mask=x_mask, other=0.0)
-            acc0 = _mode_outer(g3, x3, offs_m, acc0, 0, PRECISION, UPCAST)
+                g_ptrs2 = gs_ptr + g_off2
+                x_ptrs2 = xs_ptr + x_off2
+                if SPLIT:
+                    g3 = tl.load(gs_ptr + g_off, mask=g_mask, other=0.0)
+                    x3 = tl.load(xs_ptr + x_off, mask=x_mask, other=0.0)
+            if not SPLIT:
+                g3 = g_ptrs2  # unused
+                x3 = x_ptrs2
+            acc0 = _mode_outer(
+                g3,
+                x3,
+                offs_m,
+                g_ptrs2,
+                g_mask2,
+                stride_g_m,
+                x_ptrs2,
+                x_mask2,
+                stride_x_m,
+                acc0,
+                0,
+                PRECISION,
+                UPCAST,
+                SPLIT,
+            )
             if N_ANG > 1:
-                acc1 = _mode_outer(g3, x3, offs_m, acc1, 1, PRECISION, UPCAST)
+                acc1 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc1,
+                    1,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 2:
-                acc2 = _mode_outer(g3, x3, offs_m, acc2, 2, PRECISION, UPCAST)
+                acc2 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc2,
+                    2,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 3:
-                acc3 = _mode_outer(g3, x3, offs_m, acc3, 3, PRECISION, UPCAST)
+                acc3 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc3,
+                    3,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 4:
-                acc4 = _mode_outer(g3, x3, offs_m, acc4, 4, PRECISION, UPCAST)
+                acc4 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc4,
+                    4,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 5:
-                acc5 = _mode_outer(g3, x3, offs_m, acc5, 5, PRECISION, UPCAST)
+                acc5 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc5,
+                    5,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 6:
-                acc6 = _mode_outer(g3, x3, offs_m, acc6, 6, PRECISION, UPCAST)
+                acc6 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc6,
+                    6,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
             if N_ANG > 7:
-                acc7 = _mode_outer(g3, x3, offs_m, acc7, 7, PRECISION, UPCAST)
+                acc7 = _mode_outer(
+                    g3,
+                    x3,
+                    offs_m,
+                    g_ptrs2,
+                    g_mask2,
+                    stride_g_m,
+                    x_ptrs2,
+                    x_mask2,
+                    stride_x_m,
+                    acc7,
+                    7,
+                    PRECISION,
+                    UPCAST,
+                    SPLIT,
+                )
     # part is (n_chunks, n_ang, O, K) contiguous in K
     p_ptrs = (
         part_ptr
@@ -439,6 +724,7 @@ def eqlin_fwd(
         PRECISION=precision,
         UPCAST=upcast,
         ACC_DTYPE=acc,
+        SPLIT=SPLIT,
         num_warps=warps,
         num_stages=STAGES,
     )
@@ -495,6 +781,7 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
         PRECISION=precision,
         UPCAST=upcast,
         ACC_DTYPE=acc,
+        SPLIT=SPLIT,
         num_warps=warps,
         num_stages=STAGES,
     )

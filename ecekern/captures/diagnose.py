@@ -1,10 +1,13 @@
 """Localise the Triton EquivariantLinear's GPU failures: ``python -m
 ecekern.captures.diagnose``.
 
-For each configuration that failed on the H200 (and one that passed), and for two
-software-pipelining depths, prints the relative error of every output separately
-(y_cos, y_sin, dx_cos, dx_sin, dW, db) against float64 einsum on the same inputs.
-Each depth runs in its own process (``ECEKERN_TRITON_STAGES`` is read at import).
+For each configuration that failed on the H200 (and one that passed), for two
+software-pipelining depths and for both ways of getting at the modes (split from one
+contiguous tile in registers, or one strided load per mode), prints the relative error
+of every output separately (y_cos, y_sin, dx_cos, dx_sin, dW, db) against float64
+einsum on the same inputs, and the forward time at E = 47k, F = 192, n_ang = 3 in
+fp32, TF32 and bf16. Each variant runs in its own process (``ECEKERN_TRITON_STAGES``
+and ``ECEKERN_TRITON_SPLIT`` are read at import).
 """
 
 from __future__ import annotations
@@ -46,9 +49,23 @@ def _one_process() -> None:
         got = list(y) + list(torch.autograd.grad(y, args, [t.to(dtype) for t in gy]))
         errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
         print(
-            f"stages={linear.STAGES} {dt}{'+tf32' if tf32 else ''} "
-            f"B={B} K={K} O={O} n_ang={n_ang}: "
+            f"stages={linear.STAGES} split={linear.SPLIT} "
+            f"{dt}{'+tf32' if tf32 else ''} B={B} K={K} O={O} n_ang={n_ang}: "
             + " ".join(f"{n}={e:.1e}" for n, e in zip(names, errs)),
+            flush=True,
+        )
+    from ecekern import bench
+
+    x = [torch.randn(47_000, 192, 3, device="cuda") for _ in range(2)]
+    w = torch.randn(3, 192, 192, device="cuda") / 192**0.5
+    b = torch.randn(192, device="cuda")
+    for dt, tf32 in (("float32", False), ("float32", True), ("bfloat16", False)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a = [t.to(getattr(torch, dt)) for t in (*x, w, b)]
+        t = bench.time_fn(lambda a=a: linear._EquivariantLinearFn.apply(*a))
+        print(
+            f"stages={linear.STAGES} split={linear.SPLIT} {dt}{'+tf32' if tf32 else ''}"
+            f" E=47000 F=192 n_ang=3 forward {t.median:.4f} ms",
             flush=True,
         )
 
@@ -58,9 +75,12 @@ def main() -> int:
         _one_process()
         return 0
     rc = 0
-    for stages in ("1", "3"):
+    for stages, split in (("1", "1"), ("3", "1"), ("1", "0"), ("3", "0")):
         env = dict(
-            os.environ, ECEKERN_TRITON_STAGES=stages, _ECEKERN_DIAGNOSE_CHILD="1"
+            os.environ,
+            ECEKERN_TRITON_STAGES=stages,
+            ECEKERN_TRITON_SPLIT=split,
+            _ECEKERN_DIAGNOSE_CHILD="1",
         )
         rc |= subprocess.run(
             [sys.executable, "-m", "ecekern.captures.diagnose"], env=env
