@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -165,8 +166,8 @@ def _eqlin_fwd_kernel(
 ):
     """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile; axis 2 of the grid picks cos/sin
     (bias only for cos: the launcher passes HAS_BIAS for the cos launch)."""
-    pid_b = tl.program_id(0)
-    pid_o = tl.program_id(1)
+    pid_o = tl.program_id(0)  # the O tiles of one row block run side by side:
+    pid_b = tl.program_id(1)  # x is read from DRAM once, then from L2
     # int64 row offsets: B * row stride can pass 2^31
     offs_b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -671,13 +672,24 @@ def _precision(dtype: torch.dtype) -> tuple[str, object, bool]:
     return "ieee", tl.float32, INTERPRET  # bf16 / fp16: fp32 accumulation
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_K, BLOCK_O, num_warps): one config (the interpreter runs one)."""
+class Config(NamedTuple):
+    """One launch configuration of the kernels."""
+
+    block_b: int
+    block_k: int
+    block_o: int
+    warps: int
+    stages: int
+    split: bool
+
+
+def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
+    """The launch configuration for a dtype and kernel (``fwd`` or ``bwd_w``)."""
     if INTERPRET:
-        return 16, 16, 16, 1
+        return Config(16, 16, 16, 1, 1, SPLIT)
     if dtype == torch.float64:
-        return 32, 16, 32, 4
-    return 64, 32, 64, 4
+        return Config(32, 16, 32, 4, STAGES, SPLIT)
+    return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
 def eqlin_fwd(
@@ -695,9 +707,9 @@ def eqlin_fwd(
         if bias is not None:
             y[:, :, 0] += bias
         return y
-    BB, BK, BO, warps = _blocks(x.dtype)
+    BB, BK, BO, warps, stages, split = _config(x.dtype, "fwd")
     precision, acc, upcast = _precision(x.dtype)
-    grid = (triton.cdiv(B, BB), triton.cdiv(O, BO))
+    grid = (triton.cdiv(O, BO), triton.cdiv(B, BB))
     _eqlin_fwd_kernel[grid](
         x,
         w,
@@ -724,9 +736,9 @@ def eqlin_fwd(
         PRECISION=precision,
         UPCAST=upcast,
         ACC_DTYPE=acc,
-        SPLIT=SPLIT,
+        SPLIT=split,
         num_warps=warps,
-        num_stages=STAGES,
+        num_stages=stages,
     )
     return y
 
@@ -739,7 +751,7 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
     if B == 0 or K == 0 or O == 0:
         return torch.zeros((n_ang, O, K), device=xc.device, dtype=xc.dtype)
-    BB, BK, BO, warps = _blocks(xc.dtype)
+    BB, BK, BO, warps, stages, split = _config(xc.dtype, "bwd_w")
     rows = (
         max(BB, triton.cdiv(triton.cdiv(B, 64), BB) * BB) if not INTERPRET else 4 * BB
     )
@@ -781,9 +793,9 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
         PRECISION=precision,
         UPCAST=upcast,
         ACC_DTYPE=acc,
-        SPLIT=SPLIT,
+        SPLIT=split,
         num_warps=warps,
-        num_stages=STAGES,
+        num_stages=stages,
     )
     return part.sum(0).to(xc.dtype)
 
