@@ -380,6 +380,89 @@ def _eqlin_fwd_kernel(
 
 
 @triton.jit
+def _eqlin_fwd_bdot_kernel(
+    # pointers
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    # sizes
+    B,
+    K,
+    O,
+    # strides
+    stride_x_b,
+    stride_x_k,
+    stride_x_m,
+    stride_w_m,
+    stride_w_o,
+    stride_w_k,
+    stride_y_b,
+    stride_y_o,
+    stride_y_m,
+    # meta-parameters
+    N_ANG: tl.constexpr,
+    NA_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """The same tile as ``_eqlin_fwd_kernel``, with the modes as the batch axis of one
+    3-D dot: ``[NA, BB, BK] @ [NA, BK, BO]``; the tile is permuted, not split."""
+    pid_o = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    offs_b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_m = tl.arange(0, NA_PAD)
+    mask_b = offs_b < B
+    mask_o = offs_o < O
+    mask_m = offs_m < N_ANG
+    acc = tl.zeros([NA_PAD, BLOCK_B, BLOCK_O], ACC_DTYPE)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x3 = tl.load(
+            x_ptr
+            + offs_b[:, None, None] * stride_x_b
+            + offs_k[None, :, None] * stride_x_k
+            + offs_m[None, None, :] * stride_x_m,
+            mask=mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :],
+            other=0.0,
+        )  # [BB, BK, NA]: contiguous rows of K * n_ang
+        w3 = tl.load(
+            w_ptr
+            + offs_m[:, None, None] * stride_w_m
+            + offs_k[None, :, None] * stride_w_k
+            + offs_o[None, None, :] * stride_w_o,
+            mask=mask_m[:, None, None] & mask_k[None, :, None] & mask_o[None, None, :],
+            other=0.0,
+        )  # [NA, BK, BO]
+        xm = tl.permute(x3, (2, 0, 1))  # [NA, BB, BK]
+        if UPCAST:
+            xm = xm.to(tl.float32)
+            w3 = w3.to(tl.float32)
+        else:
+            xm = xm.to(w3.dtype)
+        acc = tl.dot(xm, w3, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
+        acc += tl.where(offs_m[:, None, None] == 0, bias[None, None, :], 0.0)
+    y3 = tl.permute(acc, (1, 2, 0))  # [BB, BO, NA]
+    tl.store(
+        y_ptr
+        + offs_b[:, None, None] * stride_y_b
+        + offs_o[None, :, None] * stride_y_o
+        + offs_m[None, None, :] * stride_y_m,
+        y3.to(y_ptr.dtype.element_ty),
+        mask=mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :],
+    )
+
+
+@triton.jit
 def _mode_outer(
     g3,
     x3,
@@ -681,6 +764,7 @@ class Config(NamedTuple):
     warps: int
     stages: int
     split: bool
+    bdot: bool = False  # forward: the 3-D batched-dot kernel
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -707,10 +791,11 @@ def eqlin_fwd(
         if bias is not None:
             y[:, :, 0] += bias
         return y
-    BB, BK, BO, warps, stages, split = _config(x.dtype, "fwd")
+    BB, BK, BO, warps, stages, split, bdot = _config(x.dtype, "fwd")
     precision, acc, upcast = _precision(x.dtype)
     grid = (triton.cdiv(O, BO), triton.cdiv(B, BB))
-    _eqlin_fwd_kernel[grid](
+    extra = {} if bdot else {"SPLIT": split}
+    (_eqlin_fwd_bdot_kernel if bdot else _eqlin_fwd_kernel)[grid](
         x,
         w,
         bias if bias is not None else w,
@@ -736,7 +821,7 @@ def eqlin_fwd(
         PRECISION=precision,
         UPCAST=upcast,
         ACC_DTYPE=acc,
-        SPLIT=split,
+        **extra,
         num_warps=warps,
         num_stages=stages,
     )
@@ -751,7 +836,7 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
     if B == 0 or K == 0 or O == 0:
         return torch.zeros((n_ang, O, K), device=xc.device, dtype=xc.dtype)
-    BB, BK, BO, warps, stages, split = _config(xc.dtype, "bwd_w")
+    BB, BK, BO, warps, stages, split, _ = _config(xc.dtype, "bwd_w")
     rows = (
         max(BB, triton.cdiv(triton.cdiv(B, 64), BB) * BB) if not INTERPRET else 4 * BB
     )
