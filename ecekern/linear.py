@@ -31,18 +31,16 @@ fp32 (48 at K = O = 192): arithmetic-bound on the FMA units in strict fp32,
 memory-bound on the tensor cores (TF32, bf16).
 
 Status: forward, first and second derivatives in fp64/fp32 (IEEE or TF32)/bf16/fp16
-(fp32 accumulation), n_ang <= 8, any K, O, B (masked), int64 offsets. On the CPU under
-Triton's interpreter (``TRITON_INTERPRET=1``) every configuration matches the einsum
-in fp64 to 1e-12. On the H200 (2026-11-29, one test run) fp64 with n_ang <= 3 and
-bf16/fp16 with n_ang = 3 matched the reference within their tolerances, while fp32
-(IEEE and TF32) and fp64 with n_ang = 5 did not; the cause is not found yet. So CUDA
-calls outside :data:`CUDA_VALIDATED` fall back to the reference loudly, and the
-failing cases are kept as strict expected failures in ``tests/test_linear.py``. Since
-that run the kernels launch with ``num_stages = STAGES = 1`` (see :data:`STAGES`),
-which has not been on a GPU yet. The
-double backward runs the same kernel for dx and an einsum for dW. Not yet timed:
-``path="auto"`` resolves to ``einsum`` until chapter 2's H200 measurement sets the
-dispatch table.
+(fp32 accumulation), n_ang <= 8, any K, O, B (masked), int64 offsets. In Triton's
+interpreter every configuration matches the einsum in fp64 to 1e-12; on the H200
+(2026-11-29, ``python -m ecekern.captures.diagnose``) every output matches float64
+einsum (fp32 2.5e-7, TF32 7.7e-4, fp64 exactly) at one software-pipelining stage. The
+wrong fp32 results seen in an earlier H200 run did not come back with the current
+kernels; the strict expected-failure tests that held them now run as plain tests.
+Not fast yet: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch
+measured (the batched 3-D dot, one of cos/sin) took 404 us in TF32 and 295 us in bf16
+against 180 us and 109 us for the einsum, and the FMA dot of strict fp32 about 12 ms
+(H200 tuning log, chapter 2's issue). So ``path="auto"`` resolves to ``einsum``.
 """
 
 from __future__ import annotations
@@ -70,13 +68,16 @@ __all__ = ["EquivariantLinear", "equivariant_linear"]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_N_ANG = 8
 #: (dtype, largest n_ang) that matched the reference on the H200; other CUDA calls
-#: fall back to the reference (see the status line above).
-CUDA_VALIDATED = {torch.float64: 3, torch.bfloat16: 3, torch.float16: 3}
-#: Software-pipelining depth. The configurations that failed on the H200 were exactly
-#: those Triton pipelined through shared memory with cp.async, over 100 KB of it (read
-#: from the sm_90 TTGIR compiled on a CPU machine); bf16, which passed, was not
-#: pipelined. One stage turns the pipelining off everywhere: the leading hypothesis,
-#: not yet run on a GPU (the CUDA gate stays until it is).
+#: fall back to the reference loudly (see the status line above).
+CUDA_VALIDATED = {
+    torch.float64: MAX_N_ANG,
+    torch.float32: MAX_N_ANG,
+    torch.bfloat16: MAX_N_ANG,
+    torch.float16: MAX_N_ANG,
+}
+#: Software-pipelining depth (``ECEKERN_TRITON_STAGES``). One stage matched float64
+#: on the H200 in every dtype; deeper pipelines of the larger tiles need more shared
+#: memory than the SM has (Triton raises OutOfResources).
 STAGES = int(os.environ.get("ECEKERN_TRITON_STAGES", "1"))
 #: Split the modes of one contiguous tile in registers (True) or load each mode as its
 #: own strided tile (False): the same bytes from DRAM, the second leans on L1.
@@ -773,6 +774,8 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
         return Config(16, 16, 16, 1, 1, SPLIT)
     if dtype == torch.float64:
         return Config(32, 16, 32, 4, STAGES, SPLIT)
+    if kind == "fwd":  # the fastest forward launch in the H200 tuning run
+        return Config(32, 32, 64, 4, STAGES, SPLIT, bdot=True)
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 

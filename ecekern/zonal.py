@@ -67,15 +67,81 @@ CUDA_VALIDATED = True
 # kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _degree_block(
+    z_ptr,
+    r_ptr,
+    offs_e,
+    mask_e,
+    offs_c,
+    mask_c,
+    stride_z_e,
+    stride_z_s,
+    stride_r_e,
+    stride_r_l,
+    stride_r_c,
+    acc,
+    l: tl.constexpr,
+    D_PAD: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """``acc[e, d, c] += Z[e, l^2 - 1 + d] R[e, l - 1, c]`` for the 2l + 1 rows of
+    degree l: one coalesced ``[BLOCK_E, C]`` row of R, read once."""
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < 2 * l + 1
+    z = tl.load(
+        z_ptr
+        + offs_e[:, None] * stride_z_e
+        + (l * l - 1 + offs_d)[None, :] * stride_z_s,
+        mask=mask_e[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(ACC_DTYPE)
+    r = tl.load(
+        r_ptr
+        + offs_e[:, None] * stride_r_e
+        + (l - 1) * stride_r_l
+        + offs_c[None, :] * stride_r_c,
+        mask=mask_e[:, None] & mask_c[None, :],
+        other=0.0,
+    ).to(ACC_DTYPE)
+    return acc + z[:, :, None] * r[:, None, :]
+
+
+@triton.jit
+def _degree_store(
+    out_ptr,
+    n,
+    offs_c,
+    mask_c,
+    stride_o_n,
+    stride_o_s,
+    stride_o_c,
+    acc,
+    scale_hi,
+    scale_lo,
+    l: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Sum the edge lanes of one degree and store its 2l + 1 output rows."""
+    offs_d = tl.arange(0, D_PAD)
+    h = tl.sum(acc, axis=0)  # [D_PAD, C_PAD]
+    tl.store(
+        out_ptr
+        + n * stride_o_n
+        + (l * l + offs_d)[:, None] * stride_o_s
+        + offs_c[None, :] * stride_o_c,
+        (h * scale_hi + h * scale_lo).to(out_ptr.dtype.element_ty),
+        mask=(offs_d < 2 * l + 1)[:, None] & mask_c[None, :],
+    )
+
+
+@triton.jit
 def _zonal_fwd_kernel(
     # pointers
     z_ptr,
     r_ptr,
     row_ptr_ptr,
-    l_idx_ptr,
     out_ptr,
     # sizes
-    SM1,
     C,
     scale_hi,
     scale_lo,
@@ -89,64 +155,162 @@ def _zonal_fwd_kernel(
     stride_o_s,
     stride_o_c,
     # meta-parameters
-    S_PAD: tl.constexpr,
+    L: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D3: tl.constexpr,
+    D4: tl.constexpr,
     C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
-    DEFER: tl.constexpr,
 ):
-    """One destination node: walk its CSR segment, accumulate ``[S_PAD, C_PAD]``.
-
-    DEFER keeps one partial sum per edge lane, ``[BLOCK_E, S_PAD, C_PAD]``, and sums
-    the lanes once at the end instead of reducing across threads on every block."""
+    """One destination node: walk its CSR segment in blocks of edges, degree by
+    degree; one partial sum per edge lane, ``[BLOCK_E, D_l, C]``, summed once at the
+    end (no reduction across threads inside the loop). ``D_l`` is 2l + 1 rounded up
+    to a power of two."""
     n = tl.program_id(0).to(tl.int64)
     start = tl.load(row_ptr_ptr + n)
     end = tl.load(row_ptr_ptr + n + 1)
-    offs_s = tl.arange(0, S_PAD)  # row s-1 of Z; component s of the output
     offs_c = tl.arange(0, C_PAD)
-    mask_s = offs_s < SM1
     mask_c = offs_c < C
-    # degree of each row, l(s) - 1: which row of R feeds it
-    l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=0)
-    acc = tl.zeros([S_PAD, C_PAD], ACC_DTYPE)
-    acc3 = tl.zeros([BLOCK_E, S_PAD, C_PAD], ACC_DTYPE)
+    acc1 = tl.zeros([BLOCK_E, D1, C_PAD], ACC_DTYPE)
+    acc2 = tl.zeros([BLOCK_E, D2, C_PAD], ACC_DTYPE)
+    acc3 = tl.zeros([BLOCK_E, D3, C_PAD], ACC_DTYPE)
+    acc4 = tl.zeros([BLOCK_E, D4, C_PAD], ACC_DTYPE)
     for e0 in range(start, end, BLOCK_E):
-        # 1. gather one block of edges: Z [BLOCK_E, S_PAD], R by degree
-        #    [BLOCK_E, S_PAD, C_PAD] (rows of one degree read the same R row)
         offs_e = e0 + tl.arange(0, BLOCK_E)
         mask_e = offs_e < end
-        z = tl.load(
-            z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
-            mask=mask_e[:, None] & mask_s[None, :],
-            other=0.0,
-        ).to(ACC_DTYPE)
-        r = tl.load(
-            r_ptr
-            + offs_e[:, None, None] * stride_r_e
-            + l_idx[None, :, None] * stride_r_l
-            + offs_c[None, None, :] * stride_r_c,
-            mask=mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :],
-            other=0.0,
-        ).to(ACC_DTYPE)
-        # 2. multiply and sum over the block's edges, in registers
-        if DEFER:
-            acc3 += z[:, :, None] * r
-        else:
-            acc += tl.sum(z[:, :, None] * r, axis=0)
-    if DEFER:
-        acc = tl.sum(acc3, axis=0)
-    # 3. store rows 1..S-1; row 0 is zeroed by the launcher
-    o_ptrs = (
-        out_ptr
-        + n * stride_o_n
-        + (offs_s[:, None] + 1) * stride_o_s
-        + offs_c[None, :] * stride_o_c
+        acc1 = _degree_block(
+            z_ptr,
+            r_ptr,
+            offs_e,
+            mask_e,
+            offs_c,
+            mask_c,
+            stride_z_e,
+            stride_z_s,
+            stride_r_e,
+            stride_r_l,
+            stride_r_c,
+            acc1,
+            1,
+            D1,
+            ACC_DTYPE,
+        )
+        if L > 1:
+            acc2 = _degree_block(
+                z_ptr,
+                r_ptr,
+                offs_e,
+                mask_e,
+                offs_c,
+                mask_c,
+                stride_z_e,
+                stride_z_s,
+                stride_r_e,
+                stride_r_l,
+                stride_r_c,
+                acc2,
+                2,
+                D2,
+                ACC_DTYPE,
+            )
+        if L > 2:
+            acc3 = _degree_block(
+                z_ptr,
+                r_ptr,
+                offs_e,
+                mask_e,
+                offs_c,
+                mask_c,
+                stride_z_e,
+                stride_z_s,
+                stride_r_e,
+                stride_r_l,
+                stride_r_c,
+                acc3,
+                3,
+                D3,
+                ACC_DTYPE,
+            )
+        if L > 3:
+            acc4 = _degree_block(
+                z_ptr,
+                r_ptr,
+                offs_e,
+                mask_e,
+                offs_c,
+                mask_c,
+                stride_z_e,
+                stride_z_s,
+                stride_r_e,
+                stride_r_l,
+                stride_r_c,
+                acc4,
+                4,
+                D4,
+                ACC_DTYPE,
+            )
+    # rows 1..S-1, degree by degree; row 0 is zeroed by the launcher
+    _degree_store(
+        out_ptr,
+        n,
+        offs_c,
+        mask_c,
+        stride_o_n,
+        stride_o_s,
+        stride_o_c,
+        acc1,
+        scale_hi,
+        scale_lo,
+        1,
+        D1,
     )
-    tl.store(
-        o_ptrs,
-        (acc * scale_hi + acc * scale_lo).to(out_ptr.dtype.element_ty),
-        mask=mask_s[:, None] & mask_c[None, :],
-    )
+    if L > 1:
+        _degree_store(
+            out_ptr,
+            n,
+            offs_c,
+            mask_c,
+            stride_o_n,
+            stride_o_s,
+            stride_o_c,
+            acc2,
+            scale_hi,
+            scale_lo,
+            2,
+            D2,
+        )
+    if L > 2:
+        _degree_store(
+            out_ptr,
+            n,
+            offs_c,
+            mask_c,
+            stride_o_n,
+            stride_o_s,
+            stride_o_c,
+            acc3,
+            scale_hi,
+            scale_lo,
+            3,
+            D3,
+        )
+    if L > 3:
+        _degree_store(
+            out_ptr,
+            n,
+            offs_c,
+            mask_c,
+            stride_o_n,
+            stride_o_s,
+            stride_o_c,
+            acc4,
+            scale_hi,
+            scale_lo,
+            4,
+            D4,
+        )
 
 
 @triton.jit
@@ -340,10 +504,10 @@ def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-#: Launch choices (chapter 5 measures them): deferred lane sums in the forward,
-#: the backward walking destinations (``"node"``) or blocks of edges (``"edge"``),
-#: warps per program, and the tile size in elements that sets BLOCK_E.
-CONFIG = {"defer": True, "gather": "node", "warps": 4, "tile": 8192}
+#: Launch choices (chapter 5 measures them): the backward walking blocks of edges
+#: (``"edge"``) or destinations (``"node"``), warps per program, and the register tile
+#: in elements that sets BLOCK_E.
+CONFIG = {"gather": "edge", "warps": 2, "tile": 2048}
 
 
 def _block_e(S_PAD: int, C_PAD: int) -> int:
@@ -363,14 +527,13 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
     if N == 0 or C == 0:
         return out
     out[:, 0].zero_()
-    S_PAD, C_PAD = triton.next_power_of_2(S - 1), triton.next_power_of_2(C)
+    C_PAD = triton.next_power_of_2(C)
+    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
     _zonal_fwd_kernel[(N,)](
         Z,
         R,
         row_ptr,
-        _l_index(L, Z.device),
         out,
-        S - 1,
         C,
         *_split_scale(scale),
         Z.stride(0),
@@ -381,11 +544,14 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        S_PAD=S_PAD,
+        L=L,
+        D1=D[0],
+        D2=D[1],
+        D3=D[2],
+        D4=D[3],
         C_PAD=C_PAD,
-        BLOCK_E=_block_e(S_PAD, C_PAD),
+        BLOCK_E=_block_e(sum(D[:L]), C_PAD),
         ACC_DTYPE=_acc(Z.dtype),
-        DEFER=CONFIG["defer"],
         num_warps=CONFIG["warps"],
     )
     return out

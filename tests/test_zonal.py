@@ -160,13 +160,11 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize(
-    "defer, gather", [(True, "node"), (False, "edge"), (True, "edge"), (False, "node")]
-)
-def test_launch_variants_match_reference(defer, gather, monkeypatch):
+@pytest.mark.parametrize("gather, tile", [("node", 2048), ("edge", 8192)])
+def test_launch_variants_match_reference(gather, tile, monkeypatch):
     """Every launch choice chapter 5 measures computes the same thing."""
-    monkeypatch.setitem(zonal.CONFIG, "defer", defer)
     monkeypatch.setitem(zonal.CONFIG, "gather", gather)
+    monkeypatch.setitem(zonal.CONFIG, "tile", tile)
     args = _inputs(70, 6, 3, 19, empty_nodes=(2,))
     for got, ref in zip(
         _run(zonal.zonal_scatter, *args),

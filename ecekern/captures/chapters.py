@@ -599,9 +599,72 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
             bench.write_csv(rows, out / "scatter_sweep.csv")
         _free()
     info = {}
+    _model_steps(out, quick, info)
     if ncu:
         info["ncu_fused"] = run_ncu("zonal_fused", out / "ncu_fused.csv")
     return info
+
+
+def _model_steps(out: Path, quick: bool, info: dict) -> None:
+    """The force step and the force-training step of the model, reference scatter
+    against the fused op (``fused_scatter``), strict fp32: time, peak memory, and a
+    profiler table of each at the larger box."""
+    import ecekern
+    from ecekern import options
+    from ecekern.model import force_step, prepare_inputs
+
+    if _device() != "cuda":
+        info["model_steps"] = "skipped: no GPU"
+        return
+    cfg = ecekern.ECEConfig()
+    rows = []
+    boxes = [2] if quick else [4, 8]
+
+    def train(model, pos, numbers, graph):
+        model.zero_grad(set_to_none=True)
+        e, f = force_step(model, pos, numbers, graph, create_graph=True)
+        (e**2 + (f**2).sum()).backward()
+
+    for rep in boxes:
+        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+        pos, numbers, graph = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        for fused in (False, True):
+            with options.use(fused_scatter=fused):
+                for kind, fn in (("force step", force_step), ("training step", train)):
+                    step = lambda fn=fn: fn(model, pos, numbers, graph)
+                    t = bench.time_fn(step, rep_ms=400.0)
+                    mem = bench.peak_memory(step)
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "scatter": "fused" if fused else "reference",
+                            "n_atoms": pos.shape[0],
+                            "n_edges": graph.n_edges,
+                            "step_ms": t.median,
+                            "step_p10_ms": t.p10,
+                            "step_p90_ms": t.p90,
+                            "reps": t.n,
+                            "peak_mem_MiB": mem / 2**20,
+                            **bench.provenance(torch.float32),
+                        }
+                    )
+                    print(
+                        kind,
+                        rows[-1]["scatter"],
+                        pos.shape[0],
+                        f"{t.median:.2f} ms",
+                        f"{mem / 2**20:.0f} MiB",
+                        flush=True,
+                    )
+                    bench.write_csv(rows, out / "model_steps.csv")
+                    if rep == boxes[-1]:
+                        tag = "fused" if fused else "reference"
+                        stem = f"profile_{kind.split()[0]}_{pos.shape[0]}_{tag}"
+                        _profile_table(step, out, stem)
+        model = pos = numbers = graph = None
+        _free()
 
 
 REGISTRY = {
