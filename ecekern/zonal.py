@@ -135,7 +135,7 @@ def _degree_store(
 
 
 @triton.jit
-def _zonal_fwd_kernel(
+def _zonal_fwd_degrees_kernel(
     # pointers
     z_ptr,
     r_ptr,
@@ -311,6 +311,83 @@ def _zonal_fwd_kernel(
             4,
             D4,
         )
+
+
+@triton.jit
+def _zonal_fwd_lanes_kernel(
+    # pointers
+    z_ptr,
+    r_ptr,
+    row_ptr_ptr,
+    l_idx_ptr,
+    out_ptr,
+    # sizes
+    SM1,
+    C,
+    scale_hi,
+    scale_lo,
+    # strides
+    stride_z_e,
+    stride_z_s,
+    stride_r_e,
+    stride_r_l,
+    stride_r_c,
+    stride_o_n,
+    stride_o_s,
+    stride_o_c,
+    # meta-parameters
+    S_PAD: tl.constexpr,
+    C_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """One destination node: walk its CSR segment in blocks of edges, all rows at once:
+    R is gathered by degree into ``[BLOCK_E, S_PAD, C_PAD]`` (rows of one degree read
+    the same R row, from L1); one partial sum per edge lane, summed once at the end
+    (no reduction across threads inside the loop)."""
+    n = tl.program_id(0).to(tl.int64)
+    start = tl.load(row_ptr_ptr + n)
+    end = tl.load(row_ptr_ptr + n + 1)
+    offs_s = tl.arange(0, S_PAD)  # row s-1 of Z; component s of the output
+    offs_c = tl.arange(0, C_PAD)
+    mask_s = offs_s < SM1
+    mask_c = offs_c < C
+    # degree of each row, l(s) - 1: which row of R feeds it
+    l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=0)
+    acc3 = tl.zeros([BLOCK_E, S_PAD, C_PAD], ACC_DTYPE)
+    for e0 in range(start, end, BLOCK_E):
+        # 1. gather one block of edges: Z [BLOCK_E, S_PAD], R by degree
+        #    [BLOCK_E, S_PAD, C_PAD] (rows of one degree read the same R row)
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        mask_e = offs_e < end
+        z = tl.load(
+            z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
+            mask=mask_e[:, None] & mask_s[None, :],
+            other=0.0,
+        ).to(ACC_DTYPE)
+        r = tl.load(
+            r_ptr
+            + offs_e[:, None, None] * stride_r_e
+            + l_idx[None, :, None] * stride_r_l
+            + offs_c[None, None, :] * stride_r_c,
+            mask=mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :],
+            other=0.0,
+        ).to(ACC_DTYPE)
+        # 2. multiply and sum over the block's edges, in registers
+        acc3 += z[:, :, None] * r
+    acc = tl.sum(acc3, axis=0)
+    # 3. store rows 1..S-1; row 0 is zeroed by the launcher
+    o_ptrs = (
+        out_ptr
+        + n * stride_o_n
+        + (offs_s[:, None] + 1) * stride_o_s
+        + offs_c[None, :] * stride_o_c
+    )
+    tl.store(
+        o_ptrs,
+        (acc * scale_hi + acc * scale_lo).to(out_ptr.dtype.element_ty),
+        mask=mask_s[:, None] & mask_c[None, :],
+    )
 
 
 @triton.jit
@@ -504,18 +581,23 @@ def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-#: Launch choices (chapter 5 measures them): the backward walking blocks of edges
-#: (``"edge"``) or destinations (``"node"``), warps per program, and the register tile
-#: in elements that sets BLOCK_E.
-CONFIG = {"gather": "edge", "warps": 2, "tile": 2048}
+#: Launch choices, measured in chapter 5 (``launch_sweep.csv``): the forward over all
+#: rows at once (``"lanes"``) or degree by degree (``"degrees"``); the backward by
+#: blocks of edges (``"edge"``) or by destination (``"node"``); edges per block and
+#: warps per program of each. One fixed choice, so that results are the same bits in
+#: every process (an autotuner could pick differently from run to run).
+CONFIG = {
+    "forward": "lanes",
+    "fwd_block_e": 4,
+    "fwd_warps": 2,
+    "gather": "edge",
+    "bwd_block_e": 16,
+    "bwd_warps": 2,
+}
 
 
-def _block_e(S_PAD: int, C_PAD: int) -> int:
-    """Edges per block: keep the ``[BLOCK_E, S_PAD, C_PAD]`` tile near CONFIG's size."""
-    if INTERPRET:
-        return 16
-    t = CONFIG["tile"]
-    return max(1, min(64, triton.next_power_of_2(max(1, t // (S_PAD * C_PAD)))))
+def _block_e(kind: str) -> int:
+    return 16 if INTERPRET else CONFIG[f"{kind}_block_e"]
 
 
 def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
@@ -528,14 +610,13 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         return out
     out[:, 0].zero_()
     C_PAD = triton.next_power_of_2(C)
-    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
-    _zonal_fwd_kernel[(N,)](
-        Z,
-        R,
-        row_ptr,
-        out,
-        C,
-        *_split_scale(scale),
+    common = dict(
+        C_PAD=C_PAD,
+        BLOCK_E=_block_e("fwd"),
+        ACC_DTYPE=_acc(Z.dtype),
+        num_warps=CONFIG["fwd_warps"],
+    )
+    strides = (
         Z.stride(0),
         Z.stride(1),
         R.stride(0),
@@ -544,15 +625,37 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(0),
         out.stride(1),
         out.stride(2),
+    )
+    if CONFIG["forward"] == "lanes":
+        _zonal_fwd_lanes_kernel[(N,)](
+            Z,
+            R,
+            row_ptr,
+            _l_index(L, Z.device),
+            out,
+            S - 1,
+            C,
+            *_split_scale(scale),
+            *strides,
+            S_PAD=triton.next_power_of_2(S - 1),
+            **common,
+        )
+        return out
+    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
+    _zonal_fwd_degrees_kernel[(N,)](
+        Z,
+        R,
+        row_ptr,
+        out,
+        C,
+        *_split_scale(scale),
+        *strides,
         L=L,
         D1=D[0],
         D2=D[1],
         D3=D[2],
         D4=D[3],
-        C_PAD=C_PAD,
-        BLOCK_E=_block_e(sum(D[:L]), C_PAD),
-        ACC_DTYPE=_acc(Z.dtype),
-        num_warps=CONFIG["warps"],
+        **common,
     )
     return out
 
@@ -569,7 +672,7 @@ def zonal_edge_gather(
     if E == 0 or C == 0:
         return dz.zero_(), dr.zero_()
     S_PAD, C_PAD = triton.next_power_of_2(S - 1), triton.next_power_of_2(C)
-    BE = _block_e(S_PAD, C_PAD)
+    BE = _block_e("bwd")
     by_node = CONFIG["gather"] == "node"
     kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
     grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
@@ -598,7 +701,7 @@ def zonal_edge_gather(
         C_PAD=C_PAD,
         BLOCK_E=BE,
         ACC_DTYPE=_acc(Z.dtype),
-        num_warps=CONFIG["warps"],
+        num_warps=CONFIG["bwd_warps"],
     )
     return dz, dr
 

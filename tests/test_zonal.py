@@ -160,12 +160,15 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize("gather, tile", [("node", 2048), ("edge", 8192)])
-def test_launch_variants_match_reference(gather, tile, monkeypatch):
+@pytest.mark.parametrize(
+    "forward, gather", [("lanes", "node"), ("degrees", "edge"), ("degrees", "node")]
+)
+@pytest.mark.parametrize("L", [1, 2, 4])
+def test_launch_variants_match_reference(forward, gather, L, monkeypatch):
     """Every launch choice chapter 5 measures computes the same thing."""
+    monkeypatch.setitem(zonal.CONFIG, "forward", forward)
     monkeypatch.setitem(zonal.CONFIG, "gather", gather)
-    monkeypatch.setitem(zonal.CONFIG, "tile", tile)
-    args = _inputs(70, 6, 3, 19, empty_nodes=(2,))
+    args = _inputs(70, 6, L, 19, empty_nodes=(2,))
     for got, ref in zip(
         _run(zonal.zonal_scatter, *args),
         _run(reference.zonal_scatter, *args),

@@ -104,6 +104,21 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
                 "commit": r["commit"],
             }
         )
+    p5 = base / "05_fused_scatter"
+    if (p5 / "model_steps.csv").exists():
+        for r in load("05_fused_scatter", p5).csv("model_steps"):
+            if r["kind"] == "force step" and r["scatter"] == "fused":
+                rows.append(
+                    {
+                        "chapter": "5. fused zonal scatter (on the reference)",
+                        "n_atoms": r["n_atoms"],
+                        "n_edges": r["n_edges"],
+                        "step_ms": r["step_ms"],
+                        "peak_mem_MiB": r["peak_mem_MiB"],
+                        "device": r["device"],
+                        "commit": r["commit"],
+                    }
+                )
     return sorted(rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit()))
 
 

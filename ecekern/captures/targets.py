@@ -56,9 +56,16 @@ def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
+    """The gather (backward) and the forward with the capture's chosen launch
+    (``ECEKERN_ZONAL_CONFIG``), then each forward variant at its own best launch
+    (``ECEKERN_ZONAL_NCU_FORWARDS``), all set by the chapter-5 capture."""
+    import json
+    import os
+
     from ecekern import zonal
     from ecekern.graph import csr_row_ptr
 
+    zonal.CONFIG.update(json.loads(os.environ.get("ECEKERN_ZONAL_CONFIG", "{}")))
     N = E // 89
     dst = torch.sort(torch.randint(0, N, (E,), device="cuda")).values
     row_ptr = csr_row_ptr(dst, N)
@@ -67,6 +74,10 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
     G = torch.randn(N, (L + 1) ** 2, C, device="cuda")
     _in_range(lambda: zonal._gather_op(G, Z, R, dst, row_ptr, 0.1))
     _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
+    forwards = json.loads(os.environ.get("ECEKERN_ZONAL_NCU_FORWARDS", "[]"))
+    for variant, block_e, warps in forwards:
+        zonal.CONFIG.update(forward=variant, fwd_block_e=block_e, fwd_warps=warps)
+        _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
 
 
 TARGETS = {
