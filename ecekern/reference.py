@@ -69,10 +69,13 @@ def _same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
             )
 
 
-def check_csr(dst: torch.Tensor, row_ptr: torch.Tensor, n_edges: int, device) -> int:
+def check_csr(
+    dst: torch.Tensor, row_ptr: torch.Tensor, n_edges: int, device, values: bool = True
+) -> int:
     """Validate ``dst (E,)`` sorted int64 and ``row_ptr (N+1,)`` consistent with it.
 
-    Returns N. Costs one host synchronisation (the checks read values).
+    Returns N. The checks of the values cost host synchronisations; ``values=False``
+    checks types, shapes and devices only (what a traced graph can check).
     """
     for name, t in (("dst", dst), ("row_ptr", row_ptr)):
         if not isinstance(t, torch.Tensor):
@@ -88,6 +91,8 @@ def check_csr(dst: torch.Tensor, row_ptr: torch.Tensor, n_edges: int, device) ->
     if row_ptr.shape[0] < 1:
         raise ValueError("row_ptr must have N+1 >= 1 entries")
     n = row_ptr.shape[0] - 1
+    if not values:
+        return n
     counts = torch.bincount(dst.clamp(0, max(n - 1, 0)), minlength=n)[:n] if n else None
     bad = (
         bool(row_ptr[0] != 0)
@@ -148,9 +153,9 @@ def zonal_rows(D: torch.Tensor) -> torch.Tensor:
     return torch.gather(D, 1, rows)[:, 0, 1:]
 
 
-def check_zonal_scatter(Z, R, dst, row_ptr) -> int:
+def check_zonal_scatter(Z, R, dst, row_ptr, values: bool = True) -> int:
     """Shapes, dtypes, devices and CSR consistency of :func:`zonal_scatter`'s
-    arguments; returns N."""
+    arguments (the CSR's values only if ``values``); returns N."""
     _float("Z", Z)
     _float("R", R)
     _same("Z", Z, R=R)
@@ -162,7 +167,7 @@ def check_zonal_scatter(Z, R, dst, row_ptr) -> int:
         raise ValueError(
             f"Z must have shape (E, S-1) = ({E}, {S - 1}), got {tuple(Z.shape)}"
         )
-    return check_csr(dst, row_ptr, E, Z.device)
+    return check_csr(dst, row_ptr, E, Z.device, values)
 
 
 def zonal_scatter(

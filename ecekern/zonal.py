@@ -142,6 +142,7 @@ def _zonal_fwd_degrees_kernel(
     row_ptr_ptr,
     out_ptr,
     # sizes
+    E,
     C,
     scale_hi,
     scale_lo,
@@ -169,8 +170,9 @@ def _zonal_fwd_degrees_kernel(
     end (no reduction across threads inside the loop). ``D_l`` is 2l + 1 rounded up
     to a power of two."""
     n = tl.program_id(0).to(tl.int64)
-    start = tl.load(row_ptr_ptr + n)
-    end = tl.load(row_ptr_ptr + n + 1)
+    # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
+    start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
+    end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
     offs_c = tl.arange(0, C_PAD)
     mask_c = offs_c < C
     acc1 = tl.zeros([BLOCK_E, D1, C_PAD], ACC_DTYPE)
@@ -322,6 +324,7 @@ def _zonal_fwd_lanes_kernel(
     l_idx_ptr,
     out_ptr,
     # sizes
+    E,
     SM1,
     C,
     scale_hi,
@@ -346,8 +349,9 @@ def _zonal_fwd_lanes_kernel(
     the same R row, from L1); one partial sum per edge lane, summed once at the end
     (no reduction across threads inside the loop)."""
     n = tl.program_id(0).to(tl.int64)
-    start = tl.load(row_ptr_ptr + n)
-    end = tl.load(row_ptr_ptr + n + 1)
+    # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
+    start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
+    end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
     offs_s = tl.arange(0, S_PAD)  # row s-1 of Z; component s of the output
     offs_c = tl.arange(0, C_PAD)
     mask_s = offs_s < SM1
@@ -402,6 +406,7 @@ def _zonal_gather_kernel(
     dr_ptr,
     # sizes
     E,
+    N,
     SM1,
     C,
     scale_hi,
@@ -433,6 +438,7 @@ def _zonal_gather_kernel(
     mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
     l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=-1)
     dst = tl.load(dst_ptr + offs_e, mask=mask_e, other=0)
+    dst = tl.minimum(tl.maximum(dst, 0), N - 1)  # never out of bounds, even unchecked
     # 1. gather G at each edge's destination, rows 1..S-1: [BLOCK_E, S_PAD, C_PAD]
     g = tl.load(
         g_ptr
@@ -486,6 +492,7 @@ def _zonal_gather_node_kernel(
     dz_ptr,
     dr_ptr,
     # sizes
+    E,
     SM1,
     C,
     scale_hi,
@@ -510,8 +517,9 @@ def _zonal_gather_node_kernel(
     segment is walked block by block (each edge's outputs are its own: no reduction
     across edges, so the order cannot change a bit)."""
     n = tl.program_id(0).to(tl.int64)
-    start = tl.load(row_ptr_ptr + n)
-    end = tl.load(row_ptr_ptr + n + 1)
+    # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
+    start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
+    end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
     offs_s = tl.arange(0, S_PAD)
     offs_c = tl.arange(0, C_PAD)
     mask_s = offs_s < SM1
@@ -583,21 +591,31 @@ def _acc(dtype):
 
 #: Launch choices, measured in chapter 5 (``launch_sweep.csv``): the forward over all
 #: rows at once (``"lanes"``) or degree by degree (``"degrees"``); the backward by
-#: blocks of edges (``"edge"``) or by destination (``"node"``); edges per block and
-#: warps per program of each. One fixed choice, so that results are the same bits in
-#: every process (an autotuner could pick differently from run to run).
+#: blocks of edges (``"edge"``) or by destination (``"node"``); warps per program; and
+#: the register tile of each, in elements: BLOCK_E is the tile divided by the padded
+#: rows times the padded channels of one edge, so the tile, not BLOCK_E, stays fixed
+#: when L or C grows. The values are the H200 sweep's fastest at E = 365k, L = 3,
+#: C = 32 (BLOCK_E = 2 forward, 16 backward there). One fixed choice, so that results
+#: are the same bits in every process (an autotuner could pick differently from run to
+#: run).
 CONFIG = {
     "forward": "lanes",
-    "fwd_block_e": 4,
-    "fwd_warps": 2,
+    "fwd_tile": 1024,
+    "fwd_warps": 1,
     "gather": "edge",
-    "bwd_block_e": 16,
+    "bwd_tile": 8192,
     "bwd_warps": 2,
 }
 
 
-def _block_e(kind: str) -> int:
-    return 16 if INTERPRET else CONFIG[f"{kind}_block_e"]
+def _block_e(kind: str, rows: int, C_PAD: int) -> int:
+    """Edges per block: the largest power of two with ``BLOCK_E * rows * C_PAD`` at
+    most the configured tile (at least 1, at most 64)."""
+    if INTERPRET:
+        return 16
+    per_edge = rows * C_PAD
+    n = max(1, CONFIG[f"{kind}_tile"] // per_edge)
+    return min(64, 1 << (n.bit_length() - 1))
 
 
 def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
@@ -610,9 +628,12 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         return out
     out[:, 0].zero_()
     C_PAD = triton.next_power_of_2(C)
+    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
+    lanes = CONFIG["forward"] == "lanes"
+    S_PAD = triton.next_power_of_2(S - 1)
     common = dict(
         C_PAD=C_PAD,
-        BLOCK_E=_block_e("fwd"),
+        BLOCK_E=_block_e("fwd", S_PAD if lanes else sum(D[:L]), C_PAD),
         ACC_DTYPE=_acc(Z.dtype),
         num_warps=CONFIG["fwd_warps"],
     )
@@ -626,27 +647,28 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(1),
         out.stride(2),
     )
-    if CONFIG["forward"] == "lanes":
+    if lanes:
         _zonal_fwd_lanes_kernel[(N,)](
             Z,
             R,
             row_ptr,
             _l_index(L, Z.device),
             out,
+            E,
             S - 1,
             C,
             *_split_scale(scale),
             *strides,
-            S_PAD=triton.next_power_of_2(S - 1),
+            S_PAD=S_PAD,
             **common,
         )
         return out
-    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
     _zonal_fwd_degrees_kernel[(N,)](
         Z,
         R,
         row_ptr,
         out,
+        E,
         C,
         *_split_scale(scale),
         *strides,
@@ -669,10 +691,10 @@ def zonal_edge_gather(
     S = (L + 1) ** 2
     dz = torch.empty((E, S - 1), device=Z.device, dtype=Z.dtype)
     dr = torch.empty((E, L, C), device=Z.device, dtype=Z.dtype)
-    if E == 0 or C == 0:
+    if E == 0 or C == 0 or row_ptr.shape[0] < 2:  # no edges, or no node to read
         return dz.zero_(), dr.zero_()
     S_PAD, C_PAD = triton.next_power_of_2(S - 1), triton.next_power_of_2(C)
-    BE = _block_e("bwd")
+    BE = _block_e("bwd", S_PAD, C_PAD)
     by_node = CONFIG["gather"] == "node"
     kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
     grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
@@ -684,7 +706,7 @@ def zonal_edge_gather(
         _l_index(L, Z.device),
         dz,
         dr,
-        *(() if by_node else (E,)),
+        *((E,) if by_node else (E, row_ptr.shape[0] - 1)),
         S - 1,
         C,
         *_split_scale(scale),
@@ -800,7 +822,10 @@ def zonal_scatter(Z, R, dst, row_ptr, scale: float) -> torch.Tensor:
     differentiable to any order (each derivative is again a zonal scatter or an edge
     gather). Same arguments, checks and errors as the reference.
     """
-    reference.check_zonal_scatter(Z, R, dst, row_ptr)
+    # the CSR's values are checked eagerly (host syncs); a traced graph (torch.compile)
+    # checks types and shapes only, and the kernels clamp every index they read
+    eager = not torch.compiler.is_compiling()
+    reference.check_zonal_scatter(Z, R, dst, row_ptr, values=eager)
     if R.shape[1] > 4 or R.shape[1] < 1:
         options.fallback("zonal_scatter", f"L = {R.shape[1]} is outside 1..4")
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale)

@@ -616,8 +616,8 @@ def _config_label() -> str:
 
     c = zonal.CONFIG
     return (
-        f"{c['forward']} BE={c['fwd_block_e']} w={c['fwd_warps']}; "
-        f"{c['gather']} BE={c['bwd_block_e']} w={c['bwd_warps']}"
+        f"{c['forward']} tile={c['fwd_tile']} w={c['fwd_warps']}; "
+        f"{c['gather']} tile={c['bwd_tile']} w={c['bwd_warps']}"
     )
 
 
@@ -654,10 +654,11 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
         for variant, be, warps in variants:
             cfg = dict(base)
             if kind == "forward":
-                cfg.update(forward=variant, fwd_block_e=be, fwd_warps=warps)
+                rows_pad = 16 if variant == "lanes" else 20  # S-1 = 15; 4 + 8 + 8
+                cfg.update(forward=variant, fwd_tile=be * rows_pad * C, fwd_warps=warps)
                 fn = lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1)
             else:
-                cfg.update(gather=variant, bwd_block_e=be, bwd_warps=warps)
+                cfg.update(gather=variant, bwd_tile=be * 16 * C, bwd_warps=warps)
                 fn = lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1)
             zonal.CONFIG.update(cfg)
             try:
@@ -711,10 +712,10 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
     )
     if "forward" in best:
         c = best["forward"][1]
-        zonal.CONFIG.update({k: c[k] for k in ("forward", "fwd_block_e", "fwd_warps")})
+        zonal.CONFIG.update({k: c[k] for k in ("forward", "fwd_tile", "fwd_warps")})
     if "backward" in best:
         c = best["backward"][1]
-        zonal.CONFIG.update({k: c[k] for k in ("gather", "bwd_block_e", "bwd_warps")})
+        zonal.CONFIG.update({k: c[k] for k in ("gather", "bwd_tile", "bwd_warps")})
     return dict(zonal.CONFIG)
 
 
