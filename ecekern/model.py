@@ -245,10 +245,11 @@ class ECEModel(nn.Module):
             D = so3.edge_frames(L, r, gauge)  # (E, S, S)
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
-            scatter = (
-                zonal.zonal_scatter if opts.fused_scatter else reference.zonal_scatter
-            )
-            h_rest = scatter(Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
+            args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
+            if opts.fused_scatter:  # the graph's CSR is consistent by construction
+                h_rest = zonal.zonal_scatter(*args, validate=False)
+            else:
+                h_rest = reference.zonal_scatter(*args)
             h0 = self.embedding(species)[:, None, :]
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
         for layer, rho_t in zip(

@@ -814,18 +814,24 @@ def _reason(Z: torch.Tensor) -> str | None:
     return None
 
 
-def zonal_scatter(Z, R, dst, row_ptr, scale: float) -> torch.Tensor:
+def zonal_scatter(
+    Z, R, dst, row_ptr, scale: float, *, validate: bool = True
+) -> torch.Tensor:
     """Computes the same as :func:`ecekern.reference.zonal_scatter`, fused.
 
     ``h0[n, s, c] = scale * sum_{e: dst_e = n} Z[e, s-1] R[e, l(s)-1, c]`` for s >= 1,
     row 0 zero, without the ``(E, S-1, C)`` message tensor; deterministic;
     differentiable to any order (each derivative is again a zonal scatter or an edge
     gather). Same arguments, checks and errors as the reference.
+
+    ``validate=False`` skips the checks of the CSR's values (several host syncs per
+    call) for a graph known to be consistent, such as one from
+    :func:`ecekern.graph.build_graph`; they are skipped while tracing too. Types and
+    shapes are always checked, and the kernels clamp every index they read, so an
+    inconsistent CSR gives wrong numbers, never an out-of-bounds access.
     """
-    # the CSR's values are checked eagerly (host syncs); a traced graph (torch.compile)
-    # checks types and shapes only, and the kernels clamp every index they read
-    eager = not torch.compiler.is_compiling()
-    reference.check_zonal_scatter(Z, R, dst, row_ptr, values=eager)
+    values = validate and not torch.compiler.is_compiling()
+    reference.check_zonal_scatter(Z, R, dst, row_ptr, values=values)
     if R.shape[1] > 4 or R.shape[1] < 1:
         options.fallback("zonal_scatter", f"L = {R.shape[1]} is outside 1..4")
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale)

@@ -190,6 +190,23 @@ def test_fp64_scale_is_not_rounded_to_fp32():
         assert rel_err(got, ref) < 1e-13
 
 
+def test_unvalidated_bad_csr_never_reads_out_of_bounds():
+    """validate=False skips the value checks; a CSR that points past the edges must
+    still give finite numbers of the right shape (the kernels clamp), and the same
+    call with validation must refuse it."""
+    Z, R, dst, row_ptr = _inputs(20, 4, 2, 3)
+    bad_ptr = row_ptr.clone()
+    bad_ptr[-1] += 1000
+    bad_dst = dst.clone()
+    bad_dst[-1] = 1000
+    with pytest.raises(ValueError):
+        zonal.zonal_scatter(Z, R, bad_dst, bad_ptr, 1.0)
+    h = zonal.zonal_scatter(Z, R, bad_dst, bad_ptr, 1.0, validate=False)
+    assert h.shape == (4, 9, 3) and torch.isfinite(h).all()
+    dZ, dR = torch.autograd.grad(h.sum(), (Z, R))
+    assert torch.isfinite(dZ).all() and torch.isfinite(dR).all()
+
+
 # ----------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("L", [1, 2, 3, 4])
