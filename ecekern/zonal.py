@@ -826,7 +826,7 @@ def zonal_scatter(
 
     ``validate=False`` skips the checks of the CSR's values (several host syncs per
     call) for a graph known to be consistent, such as one from
-    :func:`ecekern.graph.build_graph`; they are skipped while tracing too. Types and
+    ``ecekern.graph.build_graph``; they are skipped while tracing too. Types and
     shapes are always checked, and the kernels clamp every index they read, so an
     inconsistent CSR gives wrong numbers, never an out-of-bounds access.
     """
