@@ -608,14 +608,17 @@ CONFIG = {
 }
 
 
+def edges_per_block(tile: int, rows: int, C_PAD: int) -> int:
+    """The largest power of two ``BLOCK_E`` with ``BLOCK_E * rows * C_PAD <= tile``
+    (at least 1, at most 64)."""
+    n = max(1, tile // (rows * C_PAD))
+    return min(64, 1 << (n.bit_length() - 1))
+
+
 def _block_e(kind: str, rows: int, C_PAD: int) -> int:
-    """Edges per block: the largest power of two with ``BLOCK_E * rows * C_PAD`` at
-    most the configured tile (at least 1, at most 64)."""
     if INTERPRET:
         return 16
-    per_edge = rows * C_PAD
-    n = max(1, CONFIG[f"{kind}_tile"] // per_edge)
-    return min(64, 1 << (n.bit_length() - 1))
+    return edges_per_block(CONFIG[f"{kind}_tile"], rows, C_PAD)
 
 
 def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:

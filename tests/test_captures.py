@@ -87,3 +87,34 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkey
         tol = 2e-2 if r["dtype"].startswith("bfloat16") else 1e-5
         assert float(r["rel_err_vs_fp64"]) < tol, r
         assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0
+
+
+def test_register_report_compiles_for_sm90_without_a_gpu():
+    """The offline resource report of chapter 5 (in a process without the
+    interpreter, which would replace the kernels by Python functions)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ecekern.captures import registers
+
+    if not registers.available():
+        pytest.skip("Triton's NVIDIA tools are not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-m", "ecekern.captures.registers"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    rows = json.loads(p.stdout)
+    assert {(r["L"], r["C"]) for r in rows} == {(3, 32), (4, 32), (3, 64), (3, 100)}
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0
+    by = {(r["L"], r["C"], r["launch"]): r for r in rows}
+    # the tile rule never gives a larger per-thread stack than the fixed launch
+    for L, C in ((4, 32), (3, 64), (3, 100)):
+        fixed = by[(L, C, "fixed BLOCK_E = 16 (capture)")]
+        assert by[(L, C, "tile rule")]["stack_bytes"] <= fixed["stack_bytes"]
