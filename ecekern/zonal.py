@@ -35,9 +35,10 @@ nodes with no edges, E = 0. Registered as ``torch.library`` custom ops
 (``ecekern::zonal_scatter_fwd``, ``ecekern::zonal_edge_gather``) with fake
 implementations and autograd (custom ops, not ``triton_op``: opaque to inductor).
 On the H200 (2026-11-29, commit 85534791f806) the kernels matched the reference in
-fp64 and fp32 for L = 1..4, were bitwise deterministic, and inductor-compiled the op
-itself; at 365k edges, L = 3, C = 32 the forward took 90 us (floor 40 us) and forward
-plus backward 0.57 ms against the reference's 6.75 ms (chapter 5's capture). Changed
+fp64 and fp32 for L = 1..4 and were bitwise deterministic (an earlier probe, 84be3c8,
+also ran the custom op under inductor: compiled equal to eager); at 365k edges,
+L = 3, C = 32 the forward took 90 us (floor 40 us) and forward plus backward 0.57 ms
+against the reference's 6.75 ms (chapter 5's capture). Changed
 since, checked in the interpreter and compiled offline for sm_90 but not yet run on
 a GPU: BLOCK_E follows a fixed register tile (the capture's fixed BLOCK_E spilled at
 L = 4 and C >= 64), the CSR's values are not checked while tracing (``torch.compile``
