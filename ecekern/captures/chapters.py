@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -403,6 +404,9 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
     ceil = _ceilings()
     rows = []
     dev = _device()
+    info = {}
+    if dev == "cuda":  # first: the launch choices the rest of the capture then uses
+        info["launch"] = _linear_launch_sweep(out, quick)
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]
@@ -494,10 +498,165 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
                     bench.write_csv(rows, out / "linear_sweep.csv")
             bench.set_tf32(False)
             _free()
-    info = {}
+    if dev == "cuda":
+        _linear_model_steps(out, quick, info)
     if ncu:
         info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
     return info
+
+
+def _linear_launch_sweep(out: Path, quick: bool) -> dict:
+    """The Triton EquivariantLinear forward's launch choices at E = 47k, F = 192,
+    n_ang = 3 in fp32, TF32 and bf16: each timed and checked against float64 (one of
+    cos/sin). The fastest per precision is kept for the rest of the capture (by
+    replacing ``linear._config``) and returned as labels."""
+    from .. import linear, reference
+
+    E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x64 = torch.randn(E, F, n, device="cuda", dtype=torch.float64, generator=g)
+    w64 = torch.randn(n, F, F, device="cuda", dtype=torch.float64, generator=g) / F**0.5
+    b64 = torch.randn(F, device="cuda", dtype=torch.float64, generator=g)
+    truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
+    tiles = [(32, 32, 64, 4), (64, 32, 64, 4), (32, 32, 32, 4), (16, 32, 64, 4)]
+    tiles += [(64, 32, 64, 8), (32, 64, 64, 4), (128, 32, 64, 8)]
+    kinds = [("bdot", True, True), ("split", True, False), ("strided", False, False)]
+    rows, best = [], {}
+    precisions = [("float32", False), ("float32", True), ("bfloat16", False)]
+    for (dt, tf32), (name, split, bdot), tile, stages in itertools.product(
+        precisions, kinds, tiles[:2] if quick else tiles, (1, 2)
+    ):
+        bench.set_tf32(tf32)
+        dtype = getattr(torch, dt)
+        x, w, b = x64.to(dtype), w64.to(dtype), b64.to(dtype)
+        cfg = linear.Config(*tile, stages, split, bdot)
+        saved = linear._config
+        linear._config = lambda d, kind="fwd", cfg=cfg: cfg
+        try:
+            y = linear.eqlin_fwd(x, w, b)
+            err = rel_err_gpu(y, truth)
+            t = bench.time_fn(lambda: linear.eqlin_fwd(x, w, b), rep_ms=100.0)
+        except Exception as exc:  # out of resources
+            rows.append(
+                {
+                    "variant": name,
+                    "tile": str(tile),
+                    "stages": stages,
+                    "error": repr(exc)[:200],
+                    **bench.provenance(dtype),
+                }
+            )
+            continue
+        finally:
+            linear._config = saved
+        model = linear.traffic(E, F, F, n, x.element_size())
+        rows.append(
+            {
+                "variant": name,
+                "block_b": tile[0],
+                "block_k": tile[1],
+                "block_o": tile[2],
+                "warps": tile[3],
+                "stages": stages,
+                "E": E,
+                "time_ms": t.median,
+                "p10_ms": t.p10,
+                "p90_ms": t.p90,
+                "floor_bytes_ms": model["bytes"] / 2 / (_ceilings()["copy_GBps"] * 1e6),
+                "rel_err_vs_fp64": err,
+                **bench.provenance(dtype),
+            }
+        )
+        label = rows[-1]["dtype"]
+        tol = 1e-5 if dt == "float32" and not tf32 else 3e-2
+        if err < tol and t.median < best.get(label, (float("inf"),))[0]:
+            best[label] = (t.median, cfg)
+        print(
+            "eqlin", label, name, tile, stages, f"{t.median * 1e3:.1f} us", flush=True
+        )
+        bench.write_csv(rows, out / "launch_sweep.csv")
+    bench.set_tf32(False)
+    chosen = {k: v[1] for k, v in best.items()}
+    default = linear._config
+
+    def pick(dtype, kind="fwd"):
+        if kind != "fwd" or dtype == torch.float64:
+            return default(dtype, kind)
+        return chosen.get(bench.dtype_label(dtype), default(dtype, kind))
+
+    linear._config = pick  # for the rest of this capture process
+    return {k: str(v) for k, v in chosen.items()}
+
+
+def _count_ops(prof_rows: list[dict], names: tuple[str, ...]) -> dict:
+    return {
+        n: sum(r["calls_per_step"] for r in prof_rows if r["name"] == n) for n in names
+    }
+
+
+def _linear_model_steps(out: Path, quick: bool, info: dict) -> None:
+    """The model's force step with each EquivariantLinear path, strict fp32 and TF32:
+    time, peak memory, and from a profile of each the calls per step of the ops the
+    einsum path brings (copies, bmm) and the GEMMs of the dense path."""
+    import csv
+
+    import ecekern
+    from ecekern import options
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = ecekern.ECEConfig()
+    rows = []
+    for rep in [2] if quick else [4, 8]:
+        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+        inputs = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        n_atoms = inputs[0].shape[0]
+        for tf32, path in itertools.product((False, True), LINEAR_PATHS_MEASURED):
+            bench.set_tf32(tf32)
+            with options.use(linear=path):
+                step = lambda: force_step(model, *inputs)
+                t = bench.time_fn(step, rep_ms=400.0)
+                mem = bench.peak_memory(step)
+                stem = f"profile_step_{n_atoms}_{path}{'_tf32' if tf32 else ''}"
+                _profile_table(step, out, stem)
+            with (out / f"{stem}_ops.csv").open() as fh:
+                ops = [
+                    {**r, "calls_per_step": float(r["calls_per_step"])}
+                    for r in csv.DictReader(fh)
+                ]
+            counts = _count_ops(
+                ops, ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm")
+            )
+            rows.append(
+                {
+                    "path": path,
+                    "n_atoms": n_atoms,
+                    "n_edges": inputs[2].n_edges,
+                    "step_ms": t.median,
+                    "step_p10_ms": t.p10,
+                    "step_p90_ms": t.p90,
+                    "reps": t.n,
+                    "peak_mem_MiB": mem / 2**20,
+                    **{f"calls_{k.split('::')[1]}": v for k, v in counts.items()},
+                    **bench.provenance(torch.float32),
+                }
+            )
+            print(
+                "step",
+                path,
+                n_atoms,
+                rows[-1]["dtype"],
+                f"{t.median:.2f} ms",
+                flush=True,
+            )
+            bench.write_csv(rows, out / "model_steps.csv")
+        bench.set_tf32(False)
+        model = inputs = None
+        _free()
+
+
+LINEAR_PATHS_MEASURED = ("einsum", "dense", "triton")
 
 
 def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -625,8 +784,6 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
     """The fused kernels' launch choices at E = 365k, L = 3, C = 32, fp32: each
     forward and backward variant timed and checked against float64. The fastest of
     each is kept in ``zonal.CONFIG`` for the rest of the capture and returned."""
-    import itertools
-
     from .. import reference, zonal
     from ..graph import csr_row_ptr
 
