@@ -403,6 +403,68 @@ def _zonal_fwd_lanes_kernel(
 
 
 @triton.jit
+def _edge_grads(
+    g,
+    z_ptr,
+    r_ptr,
+    dz_ptr,
+    dr_ptr,
+    offs_e,
+    mask_e,
+    offs_s,
+    mask_s,
+    offs_c,
+    mask_c,
+    l_idx,
+    SM1,
+    C,
+    scale_hi,
+    scale_lo,
+    stride_z_e,
+    stride_z_s,
+    stride_r_e,
+    stride_r_l,
+    stride_r_c,
+    L: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """dZ and dR of one block of edges, given G at their destinations ``g``
+    (``[BLOCK_E, S_PAD, C_PAD]``, or ``[1, S_PAD, C_PAD]`` when they share one)."""
+    mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
+    r = tl.load(
+        r_ptr
+        + offs_e[:, None, None] * stride_r_e
+        + tl.maximum(l_idx, 0)[None, :, None] * stride_r_l
+        + offs_c[None, None, :] * stride_r_c,
+        mask=mask3,
+        other=0.0,
+    ).to(ACC_DTYPE)
+    z = tl.load(
+        z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
+        mask=mask_e[:, None] & mask_s[None, :],
+        other=0.0,
+    ).to(ACC_DTYPE)
+    # dZ: contract channels
+    dz = tl.sum(g * r, axis=2)
+    dz = dz * scale_hi + dz * scale_lo
+    tl.store(
+        dz_ptr + offs_e[:, None] * SM1 + offs_s[None, :],
+        dz.to(dz_ptr.dtype.element_ty),
+        mask=mask_e[:, None] & mask_s[None, :],
+    )
+    # dR: contract the 2l+1 rows of each degree
+    gz = g * z[:, :, None]
+    for l in tl.static_range(L):
+        drl = tl.sum(tl.where((l_idx == l)[None, :, None], gz, 0.0), axis=1)
+        drl = drl * scale_hi + drl * scale_lo
+        tl.store(
+            dr_ptr + offs_e[:, None] * (L * C) + l * C + offs_c[None, :],
+            drl.to(dr_ptr.dtype.element_ty),
+            mask=mask_e[:, None] & mask_c[None, :],
+        )
+
+
+@triton.jit
 def _zonal_gather_kernel(
     # pointers
     g_ptr,
@@ -443,7 +505,6 @@ def _zonal_gather_kernel(
     mask_e = offs_e < E
     mask_s = offs_s < SM1
     mask_c = offs_c < C
-    mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
     l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=-1)
     dst = tl.load(dst_ptr + offs_e, mask=mask_e, other=0)
     dst = tl.minimum(tl.maximum(dst, 0), N - 1)  # never out of bounds, even unchecked
@@ -453,40 +514,35 @@ def _zonal_gather_kernel(
         + dst[:, None, None] * stride_g_n
         + (offs_s[None, :, None] + 1) * stride_g_s
         + offs_c[None, None, :] * stride_g_c,
-        mask=mask3,
+        mask=mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :],
         other=0.0,
     ).to(ACC_DTYPE)
-    r = tl.load(
-        r_ptr
-        + offs_e[:, None, None] * stride_r_e
-        + tl.maximum(l_idx, 0)[None, :, None] * stride_r_l
-        + offs_c[None, None, :] * stride_r_c,
-        mask=mask3,
-        other=0.0,
-    ).to(ACC_DTYPE)
-    z = tl.load(
-        z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
-        mask=mask_e[:, None] & mask_s[None, :],
-        other=0.0,
-    ).to(ACC_DTYPE)
-    # 2. dZ: contract channels
-    dz = tl.sum(g * r, axis=2)
-    dz = dz * scale_hi + dz * scale_lo
-    tl.store(
-        dz_ptr + offs_e[:, None] * SM1 + offs_s[None, :],
-        dz.to(dz_ptr.dtype.element_ty),
-        mask=mask_e[:, None] & mask_s[None, :],
+    # 2. dZ and dR of the block
+    _edge_grads(
+        g,
+        z_ptr,
+        r_ptr,
+        dz_ptr,
+        dr_ptr,
+        offs_e,
+        mask_e,
+        offs_s,
+        mask_s,
+        offs_c,
+        mask_c,
+        l_idx,
+        SM1,
+        C,
+        scale_hi,
+        scale_lo,
+        stride_z_e,
+        stride_z_s,
+        stride_r_e,
+        stride_r_l,
+        stride_r_c,
+        L,
+        ACC_DTYPE,
     )
-    # 3. dR: contract the 2l+1 rows of each degree
-    gz = g * z[:, :, None]
-    for l in tl.static_range(L):
-        drl = tl.sum(tl.where((l_idx == l)[None, :, None], gz, 0.0), axis=1)
-        drl = drl * scale_hi + drl * scale_lo
-        tl.store(
-            dr_ptr + offs_e[:, None] * (L * C) + l * C + offs_c[None, :],
-            drl.to(dr_ptr.dtype.element_ty),
-            mask=mask_e[:, None] & mask_c[None, :],
-        )
 
 
 @triton.jit
@@ -543,36 +599,31 @@ def _zonal_gather_node_kernel(
     ).to(ACC_DTYPE)  # [S_PAD, C_PAD]
     for e0 in range(start, end, BLOCK_E):
         offs_e = e0 + tl.arange(0, BLOCK_E)
-        mask_e = offs_e < end
-        mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
-        r = tl.load(
-            r_ptr
-            + offs_e[:, None, None] * stride_r_e
-            + tl.maximum(l_idx, 0)[None, :, None] * stride_r_l
-            + offs_c[None, None, :] * stride_r_c,
-            mask=mask3,
-            other=0.0,
-        ).to(ACC_DTYPE)
-        z = tl.load(
-            z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
-            mask=mask_e[:, None] & mask_s[None, :],
-            other=0.0,
-        ).to(ACC_DTYPE)
-        dz = tl.sum(g[None, :, :] * r, axis=2)
-        dz = dz * scale_hi + dz * scale_lo
-        tl.store(
-            dz_ptr + offs_e[:, None] * SM1 + offs_s[None, :],
-            dz.to(dz_ptr.dtype.element_ty),
-            mask=mask_e[:, None] & mask_s[None, :],
+        _edge_grads(
+            g[None, :, :],
+            z_ptr,
+            r_ptr,
+            dz_ptr,
+            dr_ptr,
+            offs_e,
+            offs_e < end,
+            offs_s,
+            mask_s,
+            offs_c,
+            mask_c,
+            l_idx,
+            SM1,
+            C,
+            scale_hi,
+            scale_lo,
+            stride_z_e,
+            stride_z_s,
+            stride_r_e,
+            stride_r_l,
+            stride_r_c,
+            L,
+            ACC_DTYPE,
         )
-        gz = g[None, :, :] * z[:, :, None]
-        for l in tl.static_range(L):
-            drl = tl.sum(tl.where((l_idx == l)[None, :, None], gz, 0.0), axis=1)
-            tl.store(
-                dr_ptr + offs_e[:, None] * (L * C) + l * C + offs_c[None, :],
-                (drl * scale_hi + drl * scale_lo).to(dr_ptr.dtype.element_ty),
-                mask=mask_e[:, None] & mask_c[None, :],
-            )
 
 
 # --------------------------------------------------------------------------------------

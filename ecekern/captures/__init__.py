@@ -87,38 +87,20 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     rows = []
     ref = load("01_einsum_reference", base / "01_einsum_reference")
     peers = ref.csv("peers") if "peers.csv" in ref.files() else []
+    keys = ("n_atoms", "n_edges", "step_ms", "peak_mem_MiB", "device", "commit")
     for r in ref.csv("force_step") + peers:
         if r["dtype"] != "float32":
             continue
         label = {"reference": "1. einsum reference"}.get(
             r["model"], "peer: " + r["model"]
         )
-        rows.append(
-            {
-                "chapter": label,
-                "n_atoms": r["n_atoms"],
-                "n_edges": r["n_edges"],
-                "step_ms": r["step_ms"],
-                "peak_mem_MiB": r["peak_mem_MiB"],
-                "device": r["device"],
-                "commit": r["commit"],
-            }
-        )
+        rows.append({"chapter": label, **{k: r[k] for k in keys}})
     p5 = base / "05_fused_scatter"
     if (p5 / "model_steps.csv").exists():
         for r in load("05_fused_scatter", p5).csv("model_steps"):
             if r["kind"] == "force step" and r["scatter"] == "fused":
-                rows.append(
-                    {
-                        "chapter": "5. fused zonal scatter (on the reference)",
-                        "n_atoms": r["n_atoms"],
-                        "n_edges": r["n_edges"],
-                        "step_ms": r["step_ms"],
-                        "peak_mem_MiB": r["peak_mem_MiB"],
-                        "device": r["device"],
-                        "commit": r["commit"],
-                    }
-                )
+                label = "5. fused zonal scatter (on the reference)"
+                rows.append({"chapter": label, **{k: r[k] for k in keys}})
     return sorted(rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit()))
 
 
