@@ -41,9 +41,10 @@ Not fast yet: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch
 measured (the batched 3-D dot, one of cos/sin) took 404 us in TF32 and 295 us in bf16
 against 180 us and 109 us for the einsum, and the FMA dot of strict fp32 about 12 ms
 (H200 tuning log, chapter 2's issue). Compiled offline for sm_90
-(``ecekern.captures.registers``), every variant sits at 249-255 registers per thread
-with 8-160 KB of shared memory per program, so an SM holds one or two programs: too
-few loads in flight; strict fp32 spills kilobytes per thread to local memory. So
+(``ecekern.captures.registers``), the launches tried use 249-255 registers per thread
+or spill kilobytes per thread to local memory (strict fp32 always does), with 8-160 KB
+of shared memory per program, so an SM holds one or two programs: too few loads in
+flight. So
 ``path="auto"`` resolves to ``einsum``.
 """
 
