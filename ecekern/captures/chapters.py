@@ -110,6 +110,12 @@ def _profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
     bench.write_csv(rows, out_dir / f"{stem}_ops.csv")
 
 
+def _error_row(exc: Exception, dtype: torch.dtype, **keys) -> dict:
+    """A sweep row for a case that raised (out of resources, say): its keys, the
+    error, and the provenance, so the CSV says what failed and where."""
+    return {**keys, "error": repr(exc)[:300], **bench.provenance(dtype)}
+
+
 def _free():
     gc.collect()
     torch.cuda.empty_cache()
@@ -451,15 +457,7 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
 
                         t_fb = bench.time_fn(fwd_bwd)
                     except Exception as exc:
-                        rows.append(
-                            {
-                                "E": E,
-                                "n_ang": n_ang,
-                                "path": name,
-                                "error": repr(exc)[:300],
-                                **bench.provenance(dtype),
-                            }
-                        )
+                        rows.append(_error_row(exc, dtype, E=E, n_ang=n_ang, path=name))
                         bench.write_csv(rows, out / "linear_sweep.csv")
                         continue
                     floor = bench.floor_ms(
@@ -538,13 +536,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
             t = bench.time_fn(lambda: linear.eqlin_fwd(x, w, b), rep_ms=100.0)
         except Exception as exc:  # out of resources
             rows.append(
-                {
-                    "variant": name,
-                    "tile": str(tile),
-                    "stages": stages,
-                    "error": repr(exc)[:200],
-                    **bench.provenance(dtype),
-                }
+                _error_row(exc, dtype, variant=name, tile=str(tile), stages=stages)
             )
             continue
         finally:
@@ -720,16 +712,7 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
                 t_fb = bench.time_fn(fwd_bwd)
                 mem = bench.peak_memory(fwd_bwd)
             except Exception as exc:
-                rows.append(
-                    {
-                        "E": E,
-                        "L": L,
-                        "C": C,
-                        "op": name,
-                        "error": repr(exc)[:300],
-                        **bench.provenance(torch.float32),
-                    }
-                )
+                rows.append(_error_row(exc, torch.float32, E=E, L=L, C=C, op=name))
                 bench.write_csv(rows, out / "scatter_sweep.csv")
                 continue
             floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
@@ -826,15 +809,8 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     err = max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
                 t = bench.time_fn(fn, rep_ms=100.0)
             except Exception as exc:  # e.g. out of registers or shared memory
-                rows.append(
-                    {
-                        "kind": kind,
-                        "variant": variant,
-                        "block_e": be,
-                        "warps": warps,
-                        "error": repr(exc)[:200],
-                    }
-                )
+                keys = dict(kind=kind, variant=variant, block_e=be, warps=warps)
+                rows.append(_error_row(exc, torch.float32, **keys))
                 continue
             rows.append(
                 {

@@ -21,8 +21,6 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 try:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,15 +40,6 @@ def available() -> bool:
     return triton is not None and os.path.exists(
         os.path.join(_tools_dir(), "cuobjdump")
     )
-
-
-def _tl_type(value) -> str:
-    return {
-        torch.float32: "fp32",
-        torch.float64: "fp64",
-        torch.bfloat16: "bf16",
-        torch.float16: "fp16",
-    }[value]
 
 
 def resource_usage(
@@ -101,22 +90,6 @@ def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
     types.update(dst_ptr="*i64", l_idx_ptr="*i32", scale_hi="fp32", scale_lo="fp32")
     const = {
         "L": L,
-        "S_PAD": triton.next_power_of_2((L + 1) ** 2 - 1),
-        "C_PAD": triton.next_power_of_2(C),
-        "BLOCK_E": block_e,
-        "ACC_DTYPE": triton.language.float32,
-    }
-    return resource_usage(k, types, const, warps)
-
-
-def zonal_forward(L: int, C: int, block_e: int, warps: int) -> dict:
-    """Resource usage of the zonal forward (``lanes`` variant) at one launch, fp32."""
-    from .. import zonal
-
-    k = zonal._zonal_fwd_lanes_kernel
-    types = {n: "*fp32" for n in k.arg_names if n.endswith("_ptr")}
-    types.update(row_ptr_ptr="*i64", l_idx_ptr="*i32", scale_hi="fp32", scale_lo="fp32")
-    const = {
         "S_PAD": triton.next_power_of_2((L + 1) ** 2 - 1),
         "C_PAD": triton.next_power_of_2(C),
         "BLOCK_E": block_e,
