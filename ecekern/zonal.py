@@ -172,6 +172,7 @@ def _zonal_fwd_degrees_kernel(
     D4: tl.constexpr,
     C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
     """One destination node: walk its CSR segment in blocks of edges, degree by
@@ -188,7 +189,7 @@ def _zonal_fwd_degrees_kernel(
     acc2 = tl.zeros([BLOCK_E, D2, C_PAD], ACC_DTYPE)
     acc3 = tl.zeros([BLOCK_E, D3, C_PAD], ACC_DTYPE)
     acc4 = tl.zeros([BLOCK_E, D4, C_PAD], ACC_DTYPE)
-    for e0 in range(start, end, BLOCK_E):
+    for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
         offs_e = e0 + tl.arange(0, BLOCK_E)
         mask_e = offs_e < end
         acc1 = _degree_block(
@@ -351,6 +352,7 @@ def _zonal_fwd_lanes_kernel(
     S_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
     """One destination node: walk its CSR segment in blocks of edges, all rows at once:
@@ -368,7 +370,7 @@ def _zonal_fwd_lanes_kernel(
     # degree of each row, l(s) - 1: which row of R feeds it
     l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=0)
     acc3 = tl.zeros([BLOCK_E, S_PAD, C_PAD], ACC_DTYPE)
-    for e0 in range(start, end, BLOCK_E):
+    for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
         # 1. gather one block of edges: Z [BLOCK_E, S_PAD], R by degree
         #    [BLOCK_E, S_PAD, C_PAD] (rows of one degree read the same R row)
         offs_e = e0 + tl.arange(0, BLOCK_E)
@@ -576,6 +578,7 @@ def _zonal_gather_node_kernel(
     S_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
     """The gather by destination: one node's ``G[n]`` is read once, then its CSR
@@ -598,7 +601,7 @@ def _zonal_gather_node_kernel(
         mask=mask_s[:, None] & mask_c[None, :],
         other=0.0,
     ).to(ACC_DTYPE)  # [S_PAD, C_PAD]
-    for e0 in range(start, end, BLOCK_E):
+    for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
         offs_e = e0 + tl.arange(0, BLOCK_E)
         _edge_grads(
             g[None, :, :],
@@ -667,9 +670,11 @@ CONFIG = {
     "forward": "lanes",
     "fwd_tile": 1024,
     "fwd_warps": 1,
+    "fwd_stages": 1,
     "gather": "edge",
     "bwd_tile": 8192,
     "bwd_warps": 2,
+    "bwd_stages": 1,
 }
 
 
@@ -706,6 +711,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         C_PAD=C_PAD,
         BLOCK_E=_block_e("fwd", S_PAD if lanes else sum(D[:L]), C_PAD, Z.dtype),
         ACC_DTYPE=_acc(Z.dtype),
+        STAGES=CONFIG["fwd_stages"],
         num_warps=CONFIG["fwd_warps"],
     )
     strides = (
@@ -795,6 +801,7 @@ def zonal_edge_gather(
         BLOCK_E=BE,
         ACC_DTYPE=_acc(Z.dtype),
         num_warps=CONFIG["bwd_warps"],
+        **({"STAGES": CONFIG["bwd_stages"]} if by_node else {}),
     )
     return dz, dr
 

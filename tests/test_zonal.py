@@ -163,13 +163,19 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
 
 
 @pytest.mark.parametrize(
-    "forward, gather", [("lanes", "node"), ("degrees", "edge"), ("degrees", "node")]
+    "forward, gather",
+    [("lanes", "edge"), ("lanes", "node"), ("degrees", "edge"), ("degrees", "node")],
 )
 @pytest.mark.parametrize("L", [1, 2, 4])
-def test_launch_variants_match_reference(forward, gather, L, monkeypatch):
-    """Every launch choice chapter 5 measures computes the same thing."""
+@pytest.mark.parametrize("stages", [1, 3])
+def test_launch_variants_match_reference(forward, gather, L, stages, monkeypatch):
+    """Every launch choice chapter 5 measures computes the same thing, with the CSR
+    walk software-pipelined (stages > 1: loads in flight through shared memory on
+    the GPU) or not."""
     monkeypatch.setitem(zonal.CONFIG, "forward", forward)
     monkeypatch.setitem(zonal.CONFIG, "gather", gather)
+    monkeypatch.setitem(zonal.CONFIG, "fwd_stages", stages)
+    monkeypatch.setitem(zonal.CONFIG, "bwd_stages", stages)
     args = _inputs(70, 6, L, 19, empty_nodes=(2,))
     for got, ref in zip(
         _run(zonal.zonal_scatter, *args),

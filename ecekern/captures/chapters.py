@@ -758,8 +758,9 @@ def _config_label() -> str:
 
     c = zonal.CONFIG
     return (
-        f"{c['forward']} tile={c['fwd_tile']} w={c['fwd_warps']}; "
-        f"{c['gather']} tile={c['bwd_tile']} w={c['bwd_warps']}"
+        f"{c['forward']} tile={c['fwd_tile']} w={c['fwd_warps']} "
+        f"st={c['fwd_stages']}; "
+        f"{c['gather']} tile={c['bwd_tile']} w={c['bwd_warps']} st={c['bwd_stages']}"
     )
 
 
@@ -786,19 +787,31 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
     floor = bench.floor_ms(model["bytes_fwd"], 0, _ceilings()["copy_GBps"])
     base = dict(zonal.CONFIG)
     rows, best = [], {}
-    fwd = [("lanes", b, w) for b, w in itertools.product((2, 4, 8, 16), (1, 2, 4))]
-    fwd += [("degrees", b, w) for b, w in itertools.product((4, 8, 16, 32), (2, 4, 8))]
-    bwd = [("edge", b, w) for b, w in itertools.product((4, 8, 16, 32), (1, 2, 4))]
-    bwd += [("node", b, w) for b, w in itertools.product((4, 8, 16), (1, 2, 4))]
+    # (variant, BLOCK_E, warps, software-pipelining stages of the CSR walk)
+    product = itertools.product
+    fwd = [("lanes", *c) for c in product((2, 4, 8, 16), (1, 2, 4), (1, 2, 3, 4))]
+    fwd += [("degrees", *c) for c in product((4, 8, 16), (1, 2, 4), (1, 3))]
+    bwd = [("edge", b, w, 1) for b, w in product((4, 8, 16, 32), (1, 2, 4))]
+    bwd += [("node", *c) for c in product((4, 8, 16), (1, 2, 4), (1, 3))]
     for kind, variants in (("forward", fwd), ("backward", bwd)):
-        for variant, be, warps in variants:
+        for variant, be, warps, stages in variants:
             cfg = dict(base)
             if kind == "forward":
                 rows_pad = 16 if variant == "lanes" else 20  # S-1 = 15; 4 + 8 + 8
-                cfg.update(forward=variant, fwd_tile=be * rows_pad * C, fwd_warps=warps)
+                cfg.update(
+                    forward=variant,
+                    fwd_tile=be * rows_pad * C,
+                    fwd_warps=warps,
+                    fwd_stages=stages,
+                )
                 fn = lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1)
             else:
-                cfg.update(gather=variant, bwd_tile=be * 16 * C, bwd_warps=warps)
+                cfg.update(
+                    gather=variant,
+                    bwd_tile=be * 16 * C,
+                    bwd_warps=warps,
+                    bwd_stages=stages,
+                )
                 fn = lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1)
             zonal.CONFIG.update(cfg)
             try:
@@ -809,7 +822,9 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     err = max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
                 t = bench.time_fn(fn, rep_ms=100.0)
             except Exception as exc:  # e.g. out of registers or shared memory
-                keys = dict(kind=kind, variant=variant, block_e=be, warps=warps)
+                keys = dict(
+                    kind=kind, variant=variant, block_e=be, warps=warps, stages=stages
+                )
                 rows.append(_error_row(exc, torch.float32, **keys))
                 continue
             rows.append(
@@ -818,6 +833,7 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     "variant": variant,
                     "block_e": be,
                     "warps": warps,
+                    "stages": stages,
                     "E": E,
                     "L": L,
                     "C": C,
@@ -831,24 +847,28 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
             )
             if err < 1e-5 and t.median < best.get(kind, (float("inf"),))[0]:
                 best[kind] = (t.median, cfg)
-            print(kind, variant, be, warps, f"{t.median * 1e3:.1f} us", flush=True)
+            print(kind, variant, be, warps, stages, f"{t.median * 1e3:.1f} us")
         bench.write_csv(rows, out / "launch_sweep.csv")
     zonal.CONFIG.update(base)
     # for Nsight Compute (a separate process): the best launch of each forward variant
     fastest = {}
+
+    def cfg_of(r):
+        return r["block_e"], r["warps"], r["stages"]
+
     for r in rows:
         if r["kind"] == "forward" and "time_ms" in r and r["rel_err_vs_fp64"] < 1e-5:
             if r["time_ms"] < fastest.get(r["variant"], (float("inf"),))[0]:
-                fastest[r["variant"]] = (r["time_ms"], r["block_e"], r["warps"])
+                fastest[r["variant"]] = (r["time_ms"], *cfg_of(r))
     os.environ["ECEKERN_ZONAL_NCU_FORWARDS"] = json.dumps(
-        [[v, be, w] for v, (_, be, w) in sorted(fastest.items())]
+        [[v, *c] for v, (_, *c) in sorted(fastest.items())]
     )
-    if "forward" in best:
-        c = best["forward"][1]
-        zonal.CONFIG.update({k: c[k] for k in ("forward", "fwd_tile", "fwd_warps")})
-    if "backward" in best:
-        c = best["backward"][1]
-        zonal.CONFIG.update({k: c[k] for k in ("gather", "bwd_tile", "bwd_warps")})
+    keys = {
+        "forward": ("forward", "fwd_tile", "fwd_warps", "fwd_stages"),
+        "backward": ("gather", "bwd_tile", "bwd_warps", "bwd_stages"),
+    }
+    for kind, (t, c) in best.items():
+        zonal.CONFIG.update({k: c[k] for k in keys[kind]})
     return dict(zonal.CONFIG)
 
 
