@@ -94,7 +94,9 @@ def _degree_block(
     ACC_DTYPE: tl.constexpr,
 ):
     """``acc[e, d, c] += Z[e, l^2 - 1 + d] R[e, l - 1, c]`` for the 2l + 1 rows of
-    degree l: one coalesced ``[BLOCK_E, C]`` row of R, read once."""
+    degree l: one coalesced ``[BLOCK_E, C]`` row of R, read once. ``acc`` is
+    ``[BLOCK_E, D_PAD, C_PAD]`` (a partial sum per edge lane) or ``[1, D_PAD,
+    C_PAD]`` (the block summed at once: fewer registers)."""
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < 2 * l + 1
     z = tl.load(
@@ -112,7 +114,10 @@ def _degree_block(
         mask=mask_e[:, None] & mask_c[None, :],
         other=0.0,
     ).to(ACC_DTYPE)
-    return acc + z[:, :, None] * r[:, None, :]
+    prod = z[:, :, None] * r[:, None, :]
+    if acc.shape[0] == 1:  # one partial sum per row: the block's edges summed now
+        return acc + tl.sum(prod, axis=0, keep_dims=True)
+    return acc + prod  # one partial sum per edge lane
 
 
 @triton.jit
@@ -173,22 +178,25 @@ def _zonal_fwd_degrees_kernel(
     C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
+    ACC_E: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
     """One destination node: walk its CSR segment in blocks of edges, degree by
-    degree; one partial sum per edge lane, ``[BLOCK_E, D_l, C]``, summed once at the
-    end (no reduction across threads inside the loop). ``D_l`` is 2l + 1 rounded up
-    to a power of two."""
+    degree. ``ACC_E = BLOCK_E``: one partial sum per edge lane, ``[BLOCK_E, D_l, C]``,
+    summed once at the end; ``ACC_E = 1``: each block's edges are summed as it
+    arrives (fewer registers). ``D_l`` is 2l + 1 rounded up to a power of two. With
+    ``STAGES > 1`` the loads of the next blocks are in flight (through shared
+    memory) while this one is summed."""
     n = tl.program_id(0).to(tl.int64)
     # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
     start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
     end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
     offs_c = tl.arange(0, C_PAD)
     mask_c = offs_c < C
-    acc1 = tl.zeros([BLOCK_E, D1, C_PAD], ACC_DTYPE)
-    acc2 = tl.zeros([BLOCK_E, D2, C_PAD], ACC_DTYPE)
-    acc3 = tl.zeros([BLOCK_E, D3, C_PAD], ACC_DTYPE)
-    acc4 = tl.zeros([BLOCK_E, D4, C_PAD], ACC_DTYPE)
+    acc1 = tl.zeros([ACC_E, D1, C_PAD], ACC_DTYPE)
+    acc2 = tl.zeros([ACC_E, D2, C_PAD], ACC_DTYPE)
+    acc3 = tl.zeros([ACC_E, D3, C_PAD], ACC_DTYPE)
+    acc4 = tl.zeros([ACC_E, D4, C_PAD], ACC_DTYPE)
     for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
         offs_e = e0 + tl.arange(0, BLOCK_E)
         mask_e = offs_e < end
@@ -671,6 +679,7 @@ CONFIG = {
     "fwd_tile": 1024,
     "fwd_warps": 1,
     "fwd_stages": 1,
+    "fwd_acc": "edge",
     "gather": "edge",
     "bwd_tile": 8192,
     "bwd_warps": 2,
@@ -750,6 +759,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         *_split_scale(scale),
         *strides,
         L=L,
+        ACC_E=common["BLOCK_E"] if CONFIG["fwd_acc"] == "edge" else 1,
         D1=D[0],
         D2=D[1],
         D3=D[2],

@@ -163,16 +163,22 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
 
 
 @pytest.mark.parametrize(
-    "forward, gather",
-    [("lanes", "edge"), ("lanes", "node"), ("degrees", "edge"), ("degrees", "node")],
+    "forward, acc, gather",
+    [
+        ("lanes", "edge", "edge"),
+        ("lanes", "edge", "node"),
+        ("degrees", "edge", "edge"),
+        ("degrees", "block", "node"),
+    ],
 )
 @pytest.mark.parametrize("L", [1, 2, 4])
 @pytest.mark.parametrize("stages", [1, 3])
-def test_launch_variants_match_reference(forward, gather, L, stages, monkeypatch):
+def test_launch_variants_match_reference(forward, acc, gather, L, stages, monkeypatch):
     """Every launch choice chapter 5 measures computes the same thing, with the CSR
     walk software-pipelined (stages > 1: loads in flight through shared memory on
-    the GPU) or not."""
+    the GPU) or not, partial sums per edge lane or per row."""
     monkeypatch.setitem(zonal.CONFIG, "forward", forward)
+    monkeypatch.setitem(zonal.CONFIG, "fwd_acc", acc)
     monkeypatch.setitem(zonal.CONFIG, "gather", gather)
     monkeypatch.setitem(zonal.CONFIG, "fwd_stages", stages)
     monkeypatch.setitem(zonal.CONFIG, "bwd_stages", stages)

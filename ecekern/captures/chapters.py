@@ -516,13 +516,13 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     w64 = torch.randn(n, F, F, device="cuda", dtype=torch.float64, generator=g) / F**0.5
     b64 = torch.randn(F, device="cuda", dtype=torch.float64, generator=g)
     truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
-    tiles = [(32, 32, 64, 4), (64, 32, 64, 4), (32, 32, 32, 4), (16, 32, 64, 4)]
-    tiles += [(64, 32, 64, 8), (32, 64, 64, 4), (128, 32, 64, 8)]
-    kinds = [("bdot", True, True), ("split", True, False), ("strided", False, False)]
+    # the fastest tiles of the wider tuning runs (02_block_diagonal_gemm_history)
+    tiles = [(32, 32, 64, 4), (64, 32, 64, 4), (64, 32, 64, 8)]
+    kinds = [("bdot", True, True), ("split", True, False)]
     rows, best = [], {}
     precisions = [("float32", False), ("float32", True), ("bfloat16", False)]
     for (dt, tf32), (name, split, bdot), tile, stages in itertools.product(
-        precisions, kinds, tiles[:2] if quick else tiles, (1, 2)
+        precisions, kinds, tiles[:2] if quick else tiles, (1,)
     ):
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
@@ -759,7 +759,7 @@ def _config_label() -> str:
     c = zonal.CONFIG
     return (
         f"{c['forward']} tile={c['fwd_tile']} w={c['fwd_warps']} "
-        f"st={c['fwd_stages']}; "
+        f"st={c['fwd_stages']} acc={c['fwd_acc']}; "
         f"{c['gather']} tile={c['bwd_tile']} w={c['bwd_warps']} st={c['bwd_stages']}"
     )
 
@@ -789,12 +789,16 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
     rows, best = [], {}
     # (variant, BLOCK_E, warps, software-pipelining stages of the CSR walk)
     product = itertools.product
-    fwd = [("lanes", *c) for c in product((2, 4, 8, 16), (1, 2, 4), (1, 2, 3, 4))]
-    fwd += [("degrees", *c) for c in product((4, 8, 16), (1, 2, 4), (1, 3))]
-    bwd = [("edge", b, w, 1) for b, w in product((4, 8, 16, 32), (1, 2, 4))]
-    bwd += [("node", *c) for c in product((4, 8, 16), (1, 2, 4), (1, 3))]
+    # and, for the degrees forward, the partial sums per edge lane or per row
+    fwd = [("lanes", *c, "edge") for c in product((2, 4, 8), (1, 2, 4), (1, 3))]
+    fwd += [
+        ("degrees", *c)
+        for c in product((4, 8, 16, 32), (1, 2, 4), (1, 3, 4), ("edge", "block"))
+    ]
+    bwd = [("edge", b, w, 1, "") for b, w in product((4, 8, 16, 32), (1, 2, 4))]
+    bwd += [("node", *c, "") for c in product((4, 8, 16), (1, 2, 4), (1, 3))]
     for kind, variants in (("forward", fwd), ("backward", bwd)):
-        for variant, be, warps, stages in variants:
+        for variant, be, warps, stages, acc in variants:
             cfg = dict(base)
             if kind == "forward":
                 rows_pad = 16 if variant == "lanes" else 20  # S-1 = 15; 4 + 8 + 8
@@ -803,6 +807,7 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     fwd_tile=be * rows_pad * C,
                     fwd_warps=warps,
                     fwd_stages=stages,
+                    fwd_acc=acc,
                 )
                 fn = lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1)
             else:
@@ -823,7 +828,12 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                 t = bench.time_fn(fn, rep_ms=100.0)
             except Exception as exc:  # e.g. out of registers or shared memory
                 keys = dict(
-                    kind=kind, variant=variant, block_e=be, warps=warps, stages=stages
+                    kind=kind,
+                    variant=variant,
+                    block_e=be,
+                    warps=warps,
+                    stages=stages,
+                    acc=acc,
                 )
                 rows.append(_error_row(exc, torch.float32, **keys))
                 continue
@@ -834,6 +844,7 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     "block_e": be,
                     "warps": warps,
                     "stages": stages,
+                    "acc": acc,
                     "E": E,
                     "L": L,
                     "C": C,
@@ -847,14 +858,14 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
             )
             if err < 1e-5 and t.median < best.get(kind, (float("inf"),))[0]:
                 best[kind] = (t.median, cfg)
-            print(kind, variant, be, warps, stages, f"{t.median * 1e3:.1f} us")
+            print(kind, variant, be, warps, stages, acc, f"{t.median * 1e3:.1f} us")
         bench.write_csv(rows, out / "launch_sweep.csv")
     zonal.CONFIG.update(base)
     # for Nsight Compute (a separate process): the best launch of each forward variant
     fastest = {}
 
     def cfg_of(r):
-        return r["block_e"], r["warps"], r["stages"]
+        return r["block_e"], r["warps"], r["stages"], r["acc"]
 
     for r in rows:
         if r["kind"] == "forward" and "time_ms" in r and r["rel_err_vs_fp64"] < 1e-5:
@@ -864,10 +875,10 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
         [[v, *c] for v, (_, *c) in sorted(fastest.items())]
     )
     keys = {
-        "forward": ("forward", "fwd_tile", "fwd_warps", "fwd_stages"),
+        "forward": ("forward", "fwd_tile", "fwd_warps", "fwd_stages", "fwd_acc"),
         "backward": ("gather", "bwd_tile", "bwd_warps", "bwd_stages"),
     }
-    for kind, (t, c) in best.items():
+    for kind, (_, c) in best.items():
         zonal.CONFIG.update({k: c[k] for k in keys[kind]})
     return dict(zonal.CONFIG)
 
