@@ -149,6 +149,13 @@ def _degree_store(
 
 
 @triton.jit
+def _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c):
+    """Row s = 0 of node n: the degree-0 slot, which the zonal scatter leaves zero."""
+    zero = tl.zeros(offs_c.shape, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + n * stride_o_n + offs_c * stride_o_c, zero, mask=mask_c)
+
+
+@triton.jit
 def _zonal_fwd_degrees_kernel(
     # pointers
     z_ptr,
@@ -271,7 +278,8 @@ def _zonal_fwd_degrees_kernel(
                 D4,
                 ACC_DTYPE,
             )
-    # rows 1..S-1, degree by degree; row 0 is zeroed by the launcher
+    # row 0 is zero; rows 1..S-1 degree by degree
+    _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c)
     _degree_store(
         out_ptr,
         n,
@@ -399,7 +407,8 @@ def _zonal_fwd_lanes_kernel(
         # 2. multiply and sum over the block's edges, in registers
         acc3 += z[:, :, None] * r
     acc = tl.sum(acc3, axis=0)
-    # 3. store rows 1..S-1; row 0 is zeroed by the launcher
+    # 3. store row 0 (zero) and rows 1..S-1
+    _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c)
     o_ptrs = (
         out_ptr
         + n * stride_o_n
@@ -711,7 +720,6 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
     out = torch.empty((N, S, C), device=Z.device, dtype=Z.dtype)
     if N == 0 or C == 0:
         return out
-    out[:, 0].zero_()
     C_PAD = triton.next_power_of_2(C)
     D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
     lanes = CONFIG["forward"] == "lanes"
