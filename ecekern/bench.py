@@ -123,7 +123,8 @@ def time_graph(fn, rep_ms: float = 100.0, min_reps: int = 20) -> Timing | None:
     once into a CUDA graph and the replays are timed like :func:`time_fn` (L2 flushed
     between them). A short op called from Python can take longer to launch than to
     run; this is the time to hold against its DRAM floor. None without a GPU or when
-    ``fn`` cannot be captured.
+    ``fn`` cannot be captured. Give it only what can be captured (no host syncs, no
+    host-to-device copies): a failed capture can leave the CUDA context unusable.
     """
     if not torch.cuda.is_available():
         return None

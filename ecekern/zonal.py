@@ -675,23 +675,25 @@ def _acc(dtype):
 
 
 #: Launch choices, measured in chapter 5 (``launch_sweep.csv``): the forward over all
-#: rows at once (``"lanes"``) or degree by degree (``"degrees"``); the backward by
-#: blocks of edges (``"edge"``) or by destination (``"node"``); warps per program; and
-#: the register tile of each, in elements: BLOCK_E is the tile divided by the padded
-#: rows times the padded channels of one edge, so the tile, not BLOCK_E, stays fixed
-#: when L or C grows. The values are the H200 sweep's fastest at E = 365k, L = 3,
-#: C = 32 (BLOCK_E = 2 forward, 16 backward there). One fixed choice, so that results
-#: are the same bits in every process (an autotuner could pick differently from run to
-#: run).
+#: rows at once (``"lanes"``) or degree by degree (``"degrees"``), with a partial sum
+#: per edge lane (``fwd_acc="edge"``) or per row (``"block"``); the backward by
+#: blocks of edges (``"edge"``) or by destination (``"node"``); warps per program;
+#: software-pipelining stages of the CSR walk (``tl.range(num_stages=...)``: the next
+#: blocks' loads in flight through shared memory); and the register tile of each, in
+#: elements: BLOCK_E is the tile divided by the padded rows times the padded channels
+#: of one edge, so the tile, not BLOCK_E, stays fixed when L or C grows. The values
+#: are the H200 sweep's fastest at E = 365k, L = 3, C = 32 (BLOCK_E = 8 forward, 8
+#: backward there; commit 3e126132bb00). One fixed choice, so that results are the
+#: same bits in every process (an autotuner could pick differently from run to run).
 CONFIG = {
-    "forward": "lanes",
-    "fwd_tile": 1024,
+    "forward": "degrees",
+    "fwd_tile": 5120,
     "fwd_warps": 1,
-    "fwd_stages": 1,
+    "fwd_stages": 4,
     "fwd_acc": "edge",
     "gather": "edge",
-    "bwd_tile": 8192,
-    "bwd_warps": 2,
+    "bwd_tile": 4096,
+    "bwd_warps": 1,
     "bwd_stages": 1,
 }
 
