@@ -37,15 +37,16 @@ interpreter every configuration matches the einsum in fp64 to 1e-12; on the H200
 einsum (fp32 2.5e-7, TF32 7.7e-4, fp64 exactly) at one software-pipelining stage. The
 wrong fp32 results seen in an earlier H200 run did not come back with the current
 kernels; the strict expected-failure tests that held them now run as plain tests.
-Not fast yet: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch
-measured (the batched 3-D dot, one of cos/sin) took 404 us in TF32 and 295 us in bf16
-against 180 us and 109 us for the einsum, and the FMA dot of strict fp32 about 12 ms
-(H200 tuning log, chapter 2's issue). Compiled offline for sm_90
-(``ecekern.captures.registers``), the launches tried use 249-255 registers per thread
-or spill kilobytes per thread to local memory (strict fp32 always does), with 8-160 KB
-of shared memory per program, so an SM holds one or two programs: too few loads in
-flight. So
-``path="auto"`` resolves to ``einsum``.
+Not fast: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch (the
+batched 3-D dot, one of cos/sin) took 401 us in TF32 and 325 us in bf16 against the
+einsum's 181 us and 110 us and the dense GEMM's 158 us and 69 us (chapter 2's launch
+sweep and probe, ``02_block_diagonal_gemm_history``); the FMA dot of strict fp32
+takes 11-15 ms. Two other designs, one program per mode with strided loads, and a
+register split by ``tl.reshape`` + ``tl.split``, compiled without spills and were no
+faster (the same folder). Compiled offline for sm_90 (``ecekern.captures.registers``),
+the launches tried use 249-255 registers per thread or spill to local memory (strict
+fp32 always does), with 8-160 KB of shared memory per program. So ``path="auto"``
+never picks it (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -972,6 +973,25 @@ def _triton_reason(x_cos, weight) -> str | None:
     return None
 
 
+#: ``path="auto"``, from chapter 2's H200 sweep (E = 47k, F = 192, forward of cos and
+#: sin, 2026-11-29, commit 3e126132bb00; ``02_block_diagonal_gemm_history``): the
+#: dense GEMM beat the einsum wherever its GEMM ran on tensor cores (TF32: 0.26 / 0.32
+#: / 0.41 ms against 0.41 / 0.55 / 0.77 ms at n_ang = 2 / 3 / 4; bf16: 0.30 / 0.35 /
+#: 0.28 against 0.31 / 0.36 / 0.49 ms) and lost or tied in strict fp32, where it does
+#: n_ang times the flops on the FMA units (1.49 against 0.98 ms at n_ang = 3). The
+#: Triton path lost every cell. Not measured, so left on the einsum: n_ang >= 5 on
+#: tensor cores, fp16, fp64, any device but CUDA.
+AUTO_DENSE = {torch.bfloat16: 4, "tf32": 4}
+
+
+def auto_path(device_type: str, dtype: torch.dtype, n_ang: int, tf32: bool) -> str:
+    """The path ``"auto"`` takes for a call: ``"dense"`` or ``"einsum"``."""
+    if device_type != "cuda":
+        return "einsum"
+    key = "tf32" if dtype == torch.float32 and tf32 else dtype
+    return "dense" if n_ang <= AUTO_DENSE.get(key, 0) else "einsum"
+
+
 def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
     """Computes the same as :func:`ecekern.reference.equivariant_linear`.
 
@@ -980,8 +1000,8 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
         weight: ``(n_ang, out, in)``.
         bias: ``(out,)`` or None.
         path: ``"einsum"``, ``"dense"``, ``"triton"``, or ``"auto"`` (the
-            process-wide option :attr:`ecekern.options.Options.linear`; ``"auto"``
-            there resolves to ``"einsum"`` until the H200 dispatch table is measured).
+            process-wide option :attr:`ecekern.options.Options.linear`, whose
+            ``"auto"`` is the measured dispatch of ``ecekern.linear.auto_path``).
 
     Returns:
         ``y_cos, y_sin``, each ``(..., out, n_ang)``, contiguous.
@@ -990,7 +1010,10 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
         path = options.current().linear
     if path not in options.LINEAR_PATHS:
         raise ValueError(f"path must be one of {options.LINEAR_PATHS}, got {path!r}")
-    if path in ("auto", "einsum"):
+    if path == "auto":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        path = auto_path(x_cos.device.type, x_cos.dtype, weight.shape[0], tf32)
+    if path == "einsum":
         return reference.equivariant_linear(x_cos, x_sin, weight, bias)
     # the reference's checks: shapes, dtypes, devices
     reference._check_equivariant_linear(x_cos, x_sin, weight, bias)

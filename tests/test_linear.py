@@ -151,7 +151,7 @@ def test_dispatch_follows_the_options_and_the_override(monkeypatch):
         assert calls == [1]
         linear.equivariant_linear(xc, xs, w, b, path="dense")  # the override wins
         assert calls == [1]
-    with options.use(linear="auto"):  # auto resolves to the reference until measured
+    with options.use(linear="auto"):  # on a CPU, auto is the reference
         y = linear.equivariant_linear(xc, xs, w, b)
         ref = reference.equivariant_linear(xc, xs, w, b)
         assert torch.equal(y[0], ref[0])
@@ -159,6 +159,19 @@ def test_dispatch_follows_the_options_and_the_override(monkeypatch):
         linear.equivariant_linear(xc, xs, w, b, path="fast")
     with pytest.raises(ValueError):
         ecekern.EquivariantLinear(4, 4, 2, path="fast")
+
+
+def test_auto_dispatch_table():
+    """``auto``: dense where the H200 sweep measured it faster (tensor-core GEMMs up
+    to n_ang = 4), the einsum everywhere else."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert linear.auto_path("cuda", f32, 3, tf32=True) == "dense"
+    assert linear.auto_path("cuda", bf16, 4, tf32=False) == "dense"
+    assert linear.auto_path("cuda", f32, 3, tf32=False) == "einsum"  # FMA units
+    assert linear.auto_path("cuda", bf16, 5, tf32=False) == "einsum"  # not measured
+    assert linear.auto_path("cuda", torch.float16, 3, tf32=False) == "einsum"
+    assert linear.auto_path("cuda", torch.float64, 3, tf32=True) == "einsum"
+    assert linear.auto_path("cpu", bf16, 3, tf32=True) == "einsum"
 
 
 def test_unsupported_n_ang_falls_back_loudly():

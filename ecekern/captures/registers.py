@@ -98,21 +98,29 @@ def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
     return resource_usage(k, types, const, warps)
 
 
+#: The edge gather's launch in chapter 5's first capture (85534791f806): BLOCK_E 16
+#: at every shape, 2 warps.
+FIXED_LAUNCH = (16, 2)
+
+
 def zonal_table(cases=None) -> list[dict]:
-    """The zonal backward at the shapes of chapter 5's sweep: the fixed ``BLOCK_E`` of
-    the capture against the one the tile rule gives now."""
+    """The zonal backward at the shapes of chapter 5's sweep: the fixed launch of the
+    first capture against the one the tile rule and ``zonal.CONFIG`` give now."""
     from .. import zonal
 
     cases = cases or [(3, 32), (4, 32), (3, 64), (3, 100)]
     rows = []
-    warps = zonal.CONFIG["bwd_warps"]
     for L, C in cases:
         S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
         C_PAD = triton.next_power_of_2(C)
         rule = zonal.edges_per_block(zonal.CONFIG["bwd_tile"], S_PAD, C_PAD)
-        for label, be in (("fixed BLOCK_E = 16 (capture)", 16), ("tile rule", rule)):
+        launches = (
+            ("first capture: fixed BLOCK_E", *FIXED_LAUNCH),
+            ("now: tile rule", rule, zonal.CONFIG["bwd_warps"]),
+        )
+        for label, be, warps in launches:
             rows.append(
-                {"L": L, "C": C, "launch": label, "block_e": be}
+                {"L": L, "C": C, "launch": label, "block_e": be, "warps": warps}
                 | zonal_gather(L, C, be, warps)
             )
     return rows
