@@ -846,6 +846,8 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                 )
                 fn = lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1)
             zonal.CONFIG.update(cfg)
+            keys = {"kind": kind, "variant": variant, "block_e": be, "warps": warps}
+            keys |= {"stages": stages, "acc": acc}
             try:
                 got = fn()
                 if kind == "forward":
@@ -854,24 +856,11 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
                     err = max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
                 t = bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
             except Exception as exc:  # e.g. out of registers or shared memory
-                keys = dict(
-                    kind=kind,
-                    variant=variant,
-                    block_e=be,
-                    warps=warps,
-                    stages=stages,
-                    acc=acc,
-                )
                 rows.append(_error_row(exc, torch.float32, **keys))
                 continue
             rows.append(
                 {
-                    "kind": kind,
-                    "variant": variant,
-                    "block_e": be,
-                    "warps": warps,
-                    "stages": stages,
-                    "acc": acc,
+                    **keys,
                     "E": E,
                     "L": L,
                     "C": C,
