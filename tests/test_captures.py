@@ -6,7 +6,7 @@ from ecekern import captures
 
 
 def test_committed_captures_load_and_have_provenance():
-    for chapter in ("methodology", "01_einsum_reference"):
+    for chapter in ("methodology", "01_einsum_reference", "05_fused_scatter"):
         cap = captures.load(chapter)
         prov = cap.manifest["provenance"]
         assert prov["device"] and prov["commit"] and prov["date"]
@@ -118,3 +118,36 @@ def test_register_report_compiles_for_sm90_without_a_gpu():
     for L, C in ((4, 32), (3, 64), (3, 100)):
         fixed = by[(L, C, "first capture: fixed BLOCK_E")]
         assert by[(L, C, "now: tile rule")]["stack_bytes"] <= fixed["stack_bytes"]
+
+
+def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
+    """``timeout`` sends SIGTERM: the manifest says so and the rows written so far
+    are listed and archived (a device call's time limit must not lose them)."""
+    import os
+    import signal
+    import tarfile
+
+    import torch
+
+    from ecekern import bench
+    from ecekern.captures import __main__ as cli
+    from ecekern.captures import chapters
+
+    def chapter(out, quick=False, ncu=True):
+        (out / "rows.csv").write_text("a\n1\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("not reached")
+
+    monkeypatch.setitem(chapters.REGISTRY, "methodology", chapter)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "provenance", lambda **kw: {"command": "test"})
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = cli.main(["methodology", "--out", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    manifest = json.loads((tmp_path / "methodology" / "manifest.json").read_text())
+    assert rc == 1 and manifest["status"] == "interrupted"
+    assert manifest["files"] == ["rows.csv"]
+    with tarfile.open(tmp_path / "captures.tar.gz") as tar:
+        assert "methodology/rows.csv" in tar.getnames()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tarfile
 import time
@@ -34,6 +35,9 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     failed = []
+    # a run stopped by `timeout` (SIGTERM) still writes what it has: the manifest
+    # says "interrupted", and the rows written so far travel in the archive
+    signal.signal(signal.SIGTERM, _interrupt)
     for name in args.chapters:
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
@@ -44,6 +48,9 @@ def main(argv=None) -> int:
                 d, quick=args.quick, ncu=not args.no_ncu, **kw
             )
             status = "ok"
+        except Interrupted:
+            info, status = {}, "interrupted"
+            failed.append(name)
         except Exception:
             traceback.print_exc()
             info, status = {}, "failed"
@@ -67,6 +74,15 @@ def main(argv=None) -> int:
         for name in args.chapters:
             tar.add(out / name, arcname=name)
     return 1 if failed else 0
+
+
+class Interrupted(Exception):
+    """SIGTERM arrived during a capture."""
+
+
+def _interrupt(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second TERM ends the process
+    raise Interrupted(f"signal {signum}")
 
 
 if __name__ == "__main__":
