@@ -128,20 +128,28 @@ def time_graph(fn, rep_ms: float = 100.0, min_reps: int = 20) -> Timing | None:
     """
     if not torch.cuda.is_available():
         return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocs
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = cuda_graph(fn)
     except Exception as exc:  # e.g. a host sync inside fn
         print(f"time_graph: not capturable ({exc!r:.200})", flush=True)
         return None
     return time_fn(graph.replay, rep_ms=rep_ms, min_reps=min_reps)
+
+
+def cuda_graph(fn, warmup: int = 3):
+    """``fn`` captured once into a CUDA graph, after ``warmup`` calls on a side
+    stream (compilation and allocations stay out of the capture). Returns the graph
+    and what ``fn`` returned during the capture: the tensors each replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def peak_memory(fn) -> float:

@@ -704,6 +704,15 @@ def edges_per_block(tile: int, rows: int, C_PAD: int) -> int:
     return min(64, 1 << (n.bit_length() - 1))
 
 
+def fwd_rows(variant: str, L: int) -> int:
+    """Padded rows of one edge in the forward's register tile: ``S-1`` rounded up to
+    a power of two (``"lanes"``), or each degree's ``2l+1`` rounded up, summed
+    (``"degrees"``). ``BLOCK_E * fwd_rows * C_PAD`` is the tile."""
+    if variant == "lanes":
+        return triton.next_power_of_2((L + 1) ** 2 - 1)
+    return sum(triton.next_power_of_2(2 * l + 1) for l in range(1, L + 1))
+
+
 def _block_e(kind: str, rows: int, C_PAD: int, dtype: torch.dtype) -> int:
     """BLOCK_E for a launch; the tile is in fp32 elements, halved for fp64 (whose
     accumulators take two registers each)."""
@@ -725,9 +734,10 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
     D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
     lanes = CONFIG["forward"] == "lanes"
     S_PAD = triton.next_power_of_2(S - 1)
+    rows = fwd_rows(CONFIG["forward"], L)
     common = dict(
         C_PAD=C_PAD,
-        BLOCK_E=_block_e("fwd", S_PAD if lanes else sum(D[:L]), C_PAD, Z.dtype),
+        BLOCK_E=_block_e("fwd", rows, C_PAD, Z.dtype),
         ACC_DTYPE=_acc(Z.dtype),
         STAGES=CONFIG["fwd_stages"],
         num_warps=CONFIG["fwd_warps"],

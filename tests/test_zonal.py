@@ -3,6 +3,7 @@ import torch
 
 import ecekern
 from ecekern import options, reference, zonal
+from ecekern.bench import cuda_graph
 from ecekern.graph import csr_row_ptr
 from ecekern.testing import assert_close_three_way, rel_err
 
@@ -259,14 +260,9 @@ def test_gpu_kernels_replay_in_a_cuda_graph():
     G = torch.randn(70, 16, 32, device=DEV)
     args = (Z, R, dst, row_ptr, 0.1)
     eager = [zonal._scatter_op(*args), *zonal._gather_op(G, *args)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture
-        zonal._scatter_op(*args), zonal._gather_op(G, *args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = [zonal._scatter_op(*args), *zonal._gather_op(G, *args)]
+    graph, out = cuda_graph(
+        lambda: [zonal._scatter_op(*args), *zonal._gather_op(G, *args)]
+    )
     for t in out:
         t.fill_(float("nan"))
     graph.replay()

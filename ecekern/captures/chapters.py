@@ -828,10 +828,9 @@ def _launch_sweep(out: Path, quick: bool) -> dict:
         for variant, be, warps, stages, acc in variants:
             cfg = dict(base)
             if kind == "forward":
-                rows_pad = 16 if variant == "lanes" else 20  # S-1 = 15; 4 + 8 + 8
                 cfg.update(
                     forward=variant,
-                    fwd_tile=be * rows_pad * C,
+                    fwd_tile=be * zonal.fwd_rows(variant, L) * C,
                     fwd_warps=warps,
                     fwd_stages=stages,
                     fwd_acc=acc,

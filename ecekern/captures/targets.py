@@ -76,8 +76,7 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
     _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
     forwards = json.loads(os.environ.get("ECEKERN_ZONAL_NCU_FORWARDS", "[]"))
     for variant, block_e, warps, stages, acc in forwards:
-        rows_pad = 16 if variant == "lanes" else 20  # L = 3: S-1 = 15; 4 + 8 + 8
-        tile = block_e * rows_pad * C
+        tile = block_e * zonal.fwd_rows(variant, L) * C
         zonal.CONFIG.update(
             forward=variant,
             fwd_tile=tile,
