@@ -22,6 +22,10 @@ NCU_METRICS_BASIC = [
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "lts__t_bytes.sum",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
 ]
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
@@ -412,7 +416,15 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
     dev = _device()
     info = {}
     if dev == "cuda":  # first: the launch choices the rest of the capture then uses
-        info["launch"] = _linear_launch_sweep(out, quick)
+        chosen = _linear_launch_sweep(out, quick)
+        info["launch"] = {k: str(v) for k, v in chosen.items()}
+        info["launch_configs"] = {k: list(v) for k, v in chosen.items()}
+        # then what the chapter cannot do without (the force steps, Nsight Compute),
+        # before the long E sweep
+        _linear_model_steps(out, quick, info)
+        if ncu:
+            os.environ["ECEKERN_LINEAR_CONFIG"] = json.dumps(info["launch_configs"])
+            info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]
@@ -498,10 +510,6 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
                     bench.write_csv(rows, out / "linear_sweep.csv")
             bench.set_tf32(False)
             _free()
-    if dev == "cuda":
-        _linear_model_steps(out, quick, info)
-    if ncu:
-        info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
     return info
 
 
@@ -509,7 +517,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     """The Triton EquivariantLinear forward's launch choices at E = 47k, F = 192,
     n_ang = 3 in fp32, TF32 and bf16: each timed and checked against float64 (one of
     cos/sin). The fastest per precision is kept for the rest of the capture (by
-    replacing ``linear._config``) and returned as labels."""
+    replacing ``linear._config``) and returned, by dtype label."""
     from .. import linear, reference
 
     E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
@@ -580,7 +588,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         return chosen.get(bench.dtype_label(dtype), default(dtype, kind))
 
     linear._config = pick  # for the rest of this capture process
-    return {k: str(v) for k, v in chosen.items()}
+    return chosen
 
 
 def _count_ops(prof_rows: list[dict], names: tuple[str, ...]) -> dict:

@@ -47,12 +47,34 @@ def force_step(repeats: int = 4):
 
 
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
-    from ecekern import linear
+    """The Triton forward (cos and sin) in strict fp32, TF32 and bf16, each at the
+    capture's chosen launch (``ECEKERN_LINEAR_CONFIG``, by dtype label)."""
+    import json
+    import os
 
-    x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
-    w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
-    b = torch.randn(F, device="cuda")
-    _in_range(lambda: linear._EquivariantLinearFn.apply(*x, w, b))
+    from ecekern import bench, linear
+
+    chosen = json.loads(os.environ.get("ECEKERN_LINEAR_CONFIG", "{}"))
+    default = linear._config
+
+    def pick(dtype, kind="fwd"):
+        label = bench.dtype_label(dtype)
+        if kind == "fwd" and label in chosen:
+            return linear.Config(*chosen[label])
+        return default(dtype, kind)
+
+    linear._config = pick
+    for dtype, tf32 in (
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+    ):
+        bench.set_tf32(tf32)
+        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
+        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
+        b = torch.randn(F, device="cuda", dtype=dtype)
+        _in_range(lambda x=x, w=w, b=b: linear._EquivariantLinearFn.apply(*x, w, b))
+    bench.set_tf32(False)
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
