@@ -136,6 +136,51 @@ def time_graph(fn, rep_ms: float = 100.0, min_reps: int = 20) -> Timing | None:
     return time_fn(graph.replay, rep_ms=rep_ms, min_reps=min_reps)
 
 
+def time_back_to_back(
+    fns, rounds: int = 10, rep_ms: float = 100.0, min_reps: int = 10
+) -> Timing | None:
+    """The GPU time per call of calls that follow each other on the stream, the way
+    they do inside a model: ``rounds`` passes over ``fns`` are captured into one CUDA
+    graph, each replay is timed by events and divided by its number of calls. There
+    is no L2 flush; give ``fns`` calls on separate inputs that together do not fit in
+    L2, so that each call still reads from DRAM. The graph's own launch is spread
+    over all its calls, which is what :func:`time_graph` (one call per replay, L2
+    flushed before each) cannot do. None without a GPU or when a call cannot be
+    captured.
+    """
+    if not torch.cuda.is_available():
+        return None
+
+    def all_calls():
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+
+    try:
+        graph, _ = cuda_graph(all_calls, warmup=1)
+    except Exception as exc:
+        print(f"time_back_to_back: not capturable ({exc!r:.200})", flush=True)
+        return None
+    n_calls = rounds * len(fns)
+    graph.replay()
+    torch.cuda.synchronize()
+    times, t_end = [], time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < t_end or len(times) < min_reps:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n_calls)
+    return Timing(
+        statistics.median(times),
+        _quantile(times, 0.1),
+        _quantile(times, 0.9),
+        len(times),
+    )
+
+
 def cuda_graph(fn, warmup: int = 3):
     """``fn`` captured once into a CUDA graph, after ``warmup`` calls on a side
     stream (compilation and allocations stay out of the capture). Returns the graph

@@ -88,6 +88,27 @@ def test_time_fn_and_peak_memory_on_gpu():
     assert peak >= x.numel() * 4
 
 
+def test_graph_timers_need_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    assert bench.time_graph(lambda: None) is None
+    assert bench.time_back_to_back([lambda: None]) is None
+
+
+@pytest.mark.gpu
+def test_back_to_back_time_is_per_call():
+    # 64 MiB per call: a copy at ~4 TB/s is ~30 us; one graph replay holds 20 calls
+    a = [torch.randn(1 << 24, device="cuda") for _ in range(2)]
+    out = [torch.empty_like(t) for t in a]
+    fns = [lambda i=i: torch.neg(a[i], out=out[i]) for i in range(2)]
+    one = bench.time_back_to_back(fns[:1], rounds=1)
+    many = bench.time_back_to_back(fns, rounds=10)
+    assert 0 < many.p10 <= many.median <= many.p90 and many.n >= 10
+    # per call, not per replay: twenty calls do not take twenty times one
+    assert many.median < 3 * one.median
+    assert torch.equal(out[1], -a[1])
+
+
 def test_traffic_models():
     from ecekern import linear, zonal
 

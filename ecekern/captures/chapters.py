@@ -727,7 +727,7 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
                 # host-side launch cost is larger than its kernels at small E. The
                 # backward's kernel is the gather (autograd's engine is not graphed;
                 # the reference checks its CSR on the host: not capturable)
-                g_f = g_fb = None
+                g_f = g_fb = b_f = b_fb = None
                 if name == "fused":
                     g_f = bench.time_graph(lambda: zonal._scatter_op(*args))
                     g_fb = bench.time_graph(
@@ -736,6 +736,22 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
                             zonal._gather_op(G, *args),
                         )
                     )
+                    # back to back, alternating between two copies of the inputs
+                    # (together past the 60 MB of L2 from E = 365k up)
+                    args2 = (Z.detach().clone(), R.detach().clone(), *args[2:])
+                    b_f = bench.time_back_to_back(
+                        [lambda a=a: zonal._scatter_op(*a) for a in (args, args2)]
+                    )
+                    b_fb = bench.time_back_to_back(
+                        [
+                            lambda a=a: (
+                                zonal._scatter_op(*a),
+                                zonal._gather_op(G, *a),
+                            )
+                            for a in (args, args2)
+                        ]
+                    )
+                    args2 = None
             except Exception as exc:
                 rows.append(_error_row(exc, torch.float32, E=E, L=L, C=C, op=name))
                 bench.write_csv(rows, out / "scatter_sweep.csv")
@@ -758,11 +774,16 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
                     "forward_gpu_p10_ms": g_f.p10 if g_f else nan,
                     "forward_gpu_p90_ms": g_f.p90 if g_f else nan,
                     "fwd_bwd_gpu_ms": g_fb.median if g_fb else nan,
+                    "forward_b2b_ms": b_f.median if b_f else nan,
+                    "forward_b2b_p10_ms": b_f.p10 if b_f else nan,
+                    "forward_b2b_p90_ms": b_f.p90 if b_f else nan,
+                    "fwd_bwd_b2b_ms": b_fb.median if b_fb else nan,
                     "peak_mem_MiB": mem / 2**20,
                     "bytes_fwd": model["bytes_fwd"],
                     "floor_ms": floor,
                     "floor_fraction": floor / t_f.median,
                     "floor_fraction_gpu": floor / gpu_f,
+                    "floor_fraction_b2b": floor / b_f.median if b_f else nan,
                     "rel_err_vs_fp64": err,
                     "config": _config_label() if name == "fused" else "",
                     **bench.provenance(torch.float32),
@@ -773,7 +794,8 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
                 E,
                 L,
                 C,
-                f"fwd {t_f.median:.3f} ms (gpu {gpu_f:.3f})",
+                f"fwd {t_f.median:.3f} ms (gpu {gpu_f:.3f}, "
+                f"b2b {rows[-1]['forward_b2b_ms']:.3f})",
                 f"fwd+bwd {t_fb.median:.3f} ms (gpu {rows[-1]['fwd_bwd_gpu_ms']:.3f})",
                 f"err {err:.1e}",
                 flush=True,
