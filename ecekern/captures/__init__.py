@@ -95,6 +95,12 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
             r["model"], "peer: " + r["model"]
         )
         rows.append({"chapter": label, **{k: r[k] for k in keys}})
+    p2 = base / "02_block_diagonal_gemm"
+    if (p2 / "model_steps.csv").exists():
+        for r in load("02_block_diagonal_gemm", p2).csv("model_steps"):
+            if r["path"] == "dense" and r["dtype"] == "float32":
+                label = "2. dense block-diagonal GEMM (on the reference)"
+                rows.append({"chapter": label, **{k: r[k] for k in keys}})
     p5 = base / "05_fused_scatter"
     if (p5 / "model_steps.csv").exists():
         for r in load("05_fused_scatter", p5).csv("model_steps"):
@@ -109,6 +115,11 @@ NCU_COLUMNS = {
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy_pct",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": (
+        "tensor_pct"
+    ),
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "fma_pct",
     "dram__bytes_read.sum": "dram_read",
     "dram__bytes_write.sum": "dram_write",
 }
@@ -125,7 +136,9 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
     """The kernels of an Nsight Compute raw CSV page (``ncu --csv --page raw``).
 
     Returns one dict per kernel: ``kernel`` (name), ``time_ms``, ``dram_pct``,
-    ``sm_pct``, ``occupancy_pct``, ``dram_MB`` (read + written) and one
+    ``sm_pct``, ``occupancy_pct``, ``dram_MB`` (read + written), where captured
+    ``l2_MB`` (all L2 traffic), ``l2_pct``, ``tensor_pct`` and ``fma_pct`` (pipe
+    activity), and one
     ``stall_<reason>`` per stall-reason metric present (warps stalled per issued
     instruction). Units are read from the page's second row.
     """
@@ -156,6 +169,9 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
             for key in ("dram__bytes_read.sum", "dram__bytes_write.sum")
             if key in r
         )
+        if "lts__t_bytes.sum" in r:
+            key = "lts__t_bytes.sum"
+            k["l2_MB"] = _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
         for key in r:
             if key.startswith("smsp__average_warps_issue_stalled_"):
                 reason = key.removeprefix("smsp__average_warps_issue_stalled_")
