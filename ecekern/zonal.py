@@ -31,9 +31,10 @@ written.
 Status: deterministic (each destination's segment in ascending CSR order; the backward
 has no reduction across edges), fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32
 accumulation), L = 1..4, any C (padded to a power of two and masked), int64 offsets,
-nodes with no edges, E = 0. Registered as ``torch.library`` custom ops
+nodes with no edges, E = 0. Registered as ``torch.library`` ops
 (``ecekern::zonal_scatter_fwd``, ``ecekern::zonal_edge_gather``) with fake
-implementations and autograd (custom ops, not ``triton_op``: opaque to inductor).
+implementations and autograd: ``triton_op`` on the GPU, so inductor traces the
+kernels inside; plain ``custom_op`` in Triton's interpreter and without Triton.
 On the H200 (2026-11-29; chapter 5's capture at 3e126132bb00, its sweep at
 c3b798f32cf3) the kernels match the reference in fp64 and fp32 for L = 1..4, are
 bitwise deterministic, and compile under inductor equal to eager (the GPU tests at
@@ -47,7 +48,6 @@ size.
 
 from __future__ import annotations
 
-import functools
 import struct
 
 import torch
@@ -62,7 +62,21 @@ except ImportError:  # no Triton wheels on this platform: reference paths only
 
 from . import options, reference
 from .linear import INTERPRET
-from .so3 import lm_tables
+
+if getattr(triton, "AVAILABLE", True) and not INTERPRET:
+    # triton_op on the GPU: inductor sees the Triton kernels inside the op (a
+    # custom_op is an opaque call to it); wrap_triton marks each launch for it
+    from torch.library import triton_op, wrap_triton
+else:
+    # plain custom ops: without Triton (kernels never launched), and in Triton's
+    # interpreter, where tracing a triton_op's kernels with fake tensors fails
+
+    def triton_op(name, mutates_args):
+        return torch.library.custom_op(name, mutates_args=mutates_args)
+
+    def wrap_triton(kernel):
+        return kernel
+
 
 __all__ = ["zonal_scatter"]
 
@@ -341,12 +355,21 @@ def _zonal_fwd_degrees_kernel(
 
 
 @triton.jit
+def _degree_of_row(offs_s, mask_s, other: tl.constexpr):
+    """``l(s) - 1`` for the rows ``s = offs_s + 1`` of Z, where ``l = floor(sqrt(s))``;
+    ``other`` where masked. Computed, not loaded from a table: the ops then take no
+    tensor they did not get as an input (what inductor needs to trace a triton_op).
+    The half keeps the floor exact under an approximate square root."""
+    l_idx = tl.sqrt((offs_s + 1).to(tl.float32) + 0.5).to(tl.int32) - 1
+    return tl.where(mask_s, l_idx, other)
+
+
+@triton.jit
 def _zonal_fwd_lanes_kernel(
     # pointers
     z_ptr,
     r_ptr,
     row_ptr_ptr,
-    l_idx_ptr,
     out_ptr,
     # sizes
     E,
@@ -383,7 +406,7 @@ def _zonal_fwd_lanes_kernel(
     mask_s = offs_s < SM1
     mask_c = offs_c < C
     # degree of each row, l(s) - 1: which row of R feeds it
-    l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=0)
+    l_idx = _degree_of_row(offs_s, mask_s, 0)
     acc3 = tl.zeros([BLOCK_E, S_PAD, C_PAD], ACC_DTYPE)
     for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
         # 1. gather one block of edges: Z [BLOCK_E, S_PAD], R by degree
@@ -490,7 +513,6 @@ def _zonal_gather_kernel(
     z_ptr,
     r_ptr,
     dst_ptr,
-    l_idx_ptr,
     dz_ptr,
     dr_ptr,
     # sizes
@@ -524,7 +546,7 @@ def _zonal_gather_kernel(
     mask_e = offs_e < E
     mask_s = offs_s < SM1
     mask_c = offs_c < C
-    l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=-1)
+    l_idx = _degree_of_row(offs_s, mask_s, -1)
     dst = tl.load(dst_ptr + offs_e, mask=mask_e, other=0)
     dst = tl.minimum(tl.maximum(dst, 0), N - 1)  # never out of bounds, even unchecked
     # 1. gather G at each edge's destination, rows 1..S-1: [BLOCK_E, S_PAD, C_PAD]
@@ -571,7 +593,6 @@ def _zonal_gather_node_kernel(
     z_ptr,
     r_ptr,
     row_ptr_ptr,
-    l_idx_ptr,
     dz_ptr,
     dr_ptr,
     # sizes
@@ -608,7 +629,7 @@ def _zonal_gather_node_kernel(
     offs_c = tl.arange(0, C_PAD)
     mask_s = offs_s < SM1
     mask_c = offs_c < C
-    l_idx = tl.load(l_idx_ptr + offs_s, mask=mask_s, other=-1)
+    l_idx = _degree_of_row(offs_s, mask_s, -1)
     g = tl.load(
         g_ptr
         + n * stride_g_n
@@ -649,13 +670,6 @@ def _zonal_gather_node_kernel(
 # --------------------------------------------------------------------------------------
 # launchers: check, allocate, launch
 # --------------------------------------------------------------------------------------
-@functools.cache
-def _l_index(L: int, device: torch.device) -> torch.Tensor:
-    """``l(s) - 1`` for rows s = 1..S-1, int32; built once per (L, device), not a
-    host-to-device copy on every launch."""
-    return (lm_tables(L).l_of_s[1:] - 1).to(device=device, dtype=torch.int32)
-
-
 def _split_scale(scale: float) -> tuple[float, float]:
     """``scale = hi + lo`` with both exact in fp32: Triton passes Python floats as fp32
     scalars, which alone would cost fp64 results 1.5e-8 relative error (seen on the
@@ -753,11 +767,10 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(2),
     )
     if lanes:
-        _zonal_fwd_lanes_kernel[(N,)](
+        wrap_triton(_zonal_fwd_lanes_kernel)[(N,)](
             Z,
             R,
             row_ptr,
-            _l_index(L, Z.device),
             out,
             E,
             S - 1,
@@ -768,7 +781,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
             **common,
         )
         return out
-    _zonal_fwd_degrees_kernel[(N,)](
+    wrap_triton(_zonal_fwd_degrees_kernel)[(N,)](
         Z,
         R,
         row_ptr,
@@ -804,12 +817,11 @@ def zonal_edge_gather(
     by_node = CONFIG["gather"] == "node"
     kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
     grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
-    kernel[grid](
+    wrap_triton(kernel)[grid](
         G,
         Z,
         R,
         row_ptr if by_node else dst,
-        _l_index(L, Z.device),
         dz,
         dr,
         *((E,) if by_node else (E, row_ptr.shape[0] - 1)),
@@ -838,7 +850,7 @@ def zonal_edge_gather(
 # --------------------------------------------------------------------------------------
 # torch.library ops and their autograd: each derivative is one of the two ops again
 # --------------------------------------------------------------------------------------
-@torch.library.custom_op("ecekern::zonal_scatter_fwd", mutates_args=())
+@triton_op("ecekern::zonal_scatter_fwd", mutates_args=())
 def _scatter_op(
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -855,7 +867,7 @@ def _(Z, R, dst, row_ptr, scale):
     return Z.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
 
 
-@torch.library.custom_op("ecekern::zonal_edge_gather", mutates_args=())
+@triton_op("ecekern::zonal_edge_gather", mutates_args=())
 def _gather_op(
     G: torch.Tensor,
     Z: torch.Tensor,
