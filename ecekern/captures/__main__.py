@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--no-ncu", action="store_true")
-    ap.add_argument("--parts", default=None, help="chapter-1 parts, comma-separated")
+    ap.add_argument(
+        "--parts", default=None, help="chapter-1 or chapter-5 parts, comma-separated"
+    )
     ap.add_argument("--boxes", default=None, help="chapter-1 diamond repeats, e.g. 4,8")
     args = ap.parse_args(argv)
     import torch

@@ -668,13 +668,21 @@ def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
-def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
+def fused_scatter(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "launch,sweep,steps,ncu",
+) -> dict:
     """Chapter 5: the zonal scatter, reference vs fused, over E, L and C.
 
     Rows: forward and forward+backward times, peak memory of forward+backward, the
     DRAM floor of the forward and its fraction, and the relative error against
     float64. The fused op is called past its CUDA gate (``zonal._scatter_op``).
+    ``parts`` (comma-separated) selects what runs: without ``launch`` the library's
+    ``zonal.CONFIG`` is used as it is.
     """
+    todo = set(parts.split(","))
     from .. import reference, zonal
     from ..graph import csr_row_ptr
 
@@ -691,9 +699,11 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
             + [(365_000, 3, C) for C in (16, 64, 100)]
         )
     )
-    info = {}
-    if dev == "cuda":
+    info = {"parts": sorted(todo), "config": dict(zonal.CONFIG)}
+    if dev == "cuda" and "launch" in todo:
         info["config"] = _launch_sweep(out, quick)
+    if "sweep" not in todo:
+        cases = []
     ops = {
         "reference": reference.zonal_scatter,
         "fused": lambda *a: zonal._scatter_op(*a),
@@ -802,9 +812,10 @@ def fused_scatter(out: Path, quick: bool = False, ncu: bool = True) -> dict:
             )
             bench.write_csv(rows, out / "scatter_sweep.csv")
         _free()
-    _model_steps(out, quick, info)
+    if "steps" in todo:
+        _model_steps(out, quick, info)
     os.environ["ECEKERN_ZONAL_CONFIG"] = json.dumps(zonal.CONFIG)
-    if ncu:
+    if ncu and "ncu" in todo:
         info["ncu_fused"] = run_ncu("zonal_fused", out / "ncu_fused.csv")
     return info
 
