@@ -75,6 +75,7 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkey
         bench, "time_fn", lambda fn, **kw: real(fn, warmup_ms=0, rep_ms=0, min_reps=1)
     )
     info = chapters.REGISTRY[chapter](tmp_path, quick=True, ncu=False)
+    info = {k: v for k, v in info.items() if k not in ("parts", "config")}
     assert info in ({}, {"model_steps": "skipped: no GPU"})
     (csv_path,) = tmp_path.glob("*.csv")
     rows = list(csv.DictReader(csv_path.open()))
