@@ -78,8 +78,10 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-class Interrupted(Exception):
-    """SIGTERM arrived during a capture."""
+class Interrupted(BaseException):
+    """SIGTERM arrived during a capture. Not an ``Exception``: the sweeps catch those
+    per cell (an out-of-resources launch is a row, not the end of the run), and a
+    stop request must end the run."""
 
 
 def _interrupt(signum, frame):

@@ -400,7 +400,12 @@ def _ceilings() -> dict:
     return c
 
 
-def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dict:
+def block_diagonal_gemm(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "launch,steps,ncu,sweep",
+) -> dict:
     """Chapter 2: EquivariantLinear, einsum vs dense vs triton, over E, n_ang, dtype.
 
     Each row: forward and forward+backward times, the floor (DRAM bytes at the copy
@@ -408,26 +413,36 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
     and the relative error of the forward against float64 on fresh inputs. The Triton
     path is called past its CUDA gate (``_EquivariantLinearFn``): these rows are how
     the gate gets lifted.
+
+    ``parts`` (comma-separated): ``launch``, ``steps``, ``ncu``, ``sweep``, or
+    ``sweep=E:n_ang;E:n_ang`` for some cells of the sweep only. Without ``launch``
+    the library's launch choices are used.
     """
     from .. import linear, reference
 
     ceil = _ceilings()
     rows = []
     dev = _device()
-    info = {}
-    if dev == "cuda":  # first: the launch choices the rest of the capture then uses
+    todo = dict(p.partition("=")[::2] for p in parts.split(","))
+    info = {"parts": parts}
+    if dev == "cuda" and "launch" in todo:
+        # first: the launch choices the rest of the capture then uses
         chosen = _linear_launch_sweep(out, quick)
         info["launch"] = {k: str(v) for k, v in chosen.items()}
         info["launch_configs"] = {k: list(v) for k, v in chosen.items()}
-        # then what the chapter cannot do without (the force steps, Nsight Compute),
-        # before the long E sweep
+    if dev == "cuda" and "steps" in todo:
+        # then what the chapter cannot do without (the force steps, Nsight
+        # Compute), before the long E sweep
         _linear_model_steps(out, quick, info)
-        if ncu:
-            os.environ["ECEKERN_LINEAR_CONFIG"] = json.dumps(info["launch_configs"])
-            info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
+    if dev == "cuda" and ncu and "ncu" in todo:
+        os.environ["ECEKERN_LINEAR_CONFIG"] = json.dumps(info.get("launch_configs", {}))
+        info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]
+    cells = [(E, n) for E in Es for n in angs] if "sweep" in todo else []
+    if todo.get("sweep"):
+        cells = [tuple(int(v) for v in c.split(":")) for c in todo["sweep"].split(";")]
     precisions = [
         (torch.float32, False, "gemm_float32"),
         (torch.float32, True, "gemm_float32+tf32"),
@@ -438,78 +453,78 @@ def block_diagonal_gemm(out: Path, quick: bool = False, ncu: bool = True) -> dic
         "dense": lambda xc, xs, w, b: linear._dense(xc, xs, w, b),
         "triton": lambda xc, xs, w, b: linear._EquivariantLinearFn.apply(xc, xs, w, b),
     }
-    for E in Es:
-        for n_ang in angs:
-            g = torch.Generator(device=dev).manual_seed(E + n_ang)
-            x64 = [
-                torch.randn(E, F, n_ang, device=dev, dtype=torch.float64, generator=g)
-                for _ in range(2)
-            ]
-            w64 = (
-                torch.randn(n_ang, F, F, device=dev, dtype=torch.float64, generator=g)
-                / F**0.5
-            )
-            b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
-            truth = reference.equivariant_linear(*x64, w64, b64)
-            for dtype, tf32, ceiling in precisions:
-                bench.set_tf32(tf32)
-                xc, xs = (t.to(dtype).requires_grad_() for t in x64)
-                w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
-                model = linear.traffic(E, F, F, n_ang, xc.element_size())
-                for name, fn in paths.items():
-                    try:
-                        y = fn(xc, xs, w, b)
-                        err = max(rel_err_gpu(a, t) for a, t in zip(y, truth))
-                        t_f = bench.time_fn(lambda fn=fn: fn(xc, xs, w, b))
-                        gy = [torch.randn_like(t) for t in y]
+    for E, n_ang in cells:
+        # one (E, n_ang) cell: fresh inputs, every precision and path
+        g = torch.Generator(device=dev).manual_seed(E + n_ang)
+        x64 = [
+            torch.randn(E, F, n_ang, device=dev, dtype=torch.float64, generator=g)
+            for _ in range(2)
+        ]
+        w64 = (
+            torch.randn(n_ang, F, F, device=dev, dtype=torch.float64, generator=g)
+            / F**0.5
+        )
+        b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
+        truth = reference.equivariant_linear(*x64, w64, b64)
+        for dtype, tf32, ceiling in precisions:
+            bench.set_tf32(tf32)
+            xc, xs = (t.to(dtype).requires_grad_() for t in x64)
+            w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
+            model = linear.traffic(E, F, F, n_ang, xc.element_size())
+            for name, fn in paths.items():
+                try:
+                    y = fn(xc, xs, w, b)
+                    err = max(rel_err_gpu(a, t) for a, t in zip(y, truth))
+                    t_f = bench.time_fn(lambda fn=fn: fn(xc, xs, w, b))
+                    gy = [torch.randn_like(t) for t in y]
 
-                        def fwd_bwd(fn=fn, gy=gy):
-                            out = fn(xc, xs, w, b)
-                            torch.autograd.backward(out, gy)
+                    def fwd_bwd(fn=fn, gy=gy):
+                        out = fn(xc, xs, w, b)
+                        torch.autograd.backward(out, gy)
 
-                        t_fb = bench.time_fn(fwd_bwd)
-                        g_f = bench.time_graph(lambda fn=fn: fn(xc, xs, w, b))
-                    except Exception as exc:
-                        rows.append(_error_row(exc, dtype, E=E, n_ang=n_ang, path=name))
-                        bench.write_csv(rows, out / "linear_sweep.csv")
-                        continue
-                    floor = bench.floor_ms(
-                        model["bytes"],
-                        model["flops"],
-                        ceil["copy_GBps"],
-                        ceil.get(ceiling),
-                    )
-                    rows.append(
-                        {
-                            "E": E,
-                            "F": F,
-                            "n_ang": n_ang,
-                            "path": name,
-                            "forward_ms": t_f.median,
-                            "forward_p10_ms": t_f.p10,
-                            "forward_p90_ms": t_f.p90,
-                            "fwd_bwd_ms": t_fb.median,
-                            "forward_gpu_ms": g_f.median if g_f else float("nan"),
-                            "bytes": model["bytes"],
-                            "flops": model["flops"],
-                            "floor_ms": floor,
-                            "floor_fraction": floor / t_f.median,
-                            "rel_err_vs_fp64": err,
-                            **bench.provenance(dtype),
-                        }
-                    )
-                    print(
-                        name,
-                        E,
-                        n_ang,
-                        rows[-1]["dtype"],
-                        f"{t_f.median:.3f} ms",
-                        f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
-                        flush=True,
-                    )
+                    t_fb = bench.time_fn(fwd_bwd)
+                    g_f = bench.time_graph(lambda fn=fn: fn(xc, xs, w, b))
+                except Exception as exc:
+                    rows.append(_error_row(exc, dtype, E=E, n_ang=n_ang, path=name))
                     bench.write_csv(rows, out / "linear_sweep.csv")
-            bench.set_tf32(False)
-            _free()
+                    continue
+                floor = bench.floor_ms(
+                    model["bytes"],
+                    model["flops"],
+                    ceil["copy_GBps"],
+                    ceil.get(ceiling),
+                )
+                rows.append(
+                    {
+                        "E": E,
+                        "F": F,
+                        "n_ang": n_ang,
+                        "path": name,
+                        "forward_ms": t_f.median,
+                        "forward_p10_ms": t_f.p10,
+                        "forward_p90_ms": t_f.p90,
+                        "fwd_bwd_ms": t_fb.median,
+                        "forward_gpu_ms": g_f.median if g_f else float("nan"),
+                        "bytes": model["bytes"],
+                        "flops": model["flops"],
+                        "floor_ms": floor,
+                        "floor_fraction": floor / t_f.median,
+                        "rel_err_vs_fp64": err,
+                        **bench.provenance(dtype),
+                    }
+                )
+                print(
+                    name,
+                    E,
+                    n_ang,
+                    rows[-1]["dtype"],
+                    f"{t_f.median:.3f} ms",
+                    f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
+                    flush=True,
+                )
+                bench.write_csv(rows, out / "linear_sweep.csv")
+        bench.set_tf32(False)
+        _free()
     return info
 
 
