@@ -37,16 +37,15 @@ interpreter every configuration matches the einsum in fp64 to 1e-12; on the H200
 einsum (fp32 2.5e-7, TF32 7.7e-4, fp64 exactly) at one software-pipelining stage. The
 wrong fp32 results seen in an earlier H200 run did not come back with the current
 kernels; the strict expected-failure tests that held them now run as plain tests.
-Not fast: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch (the
-batched 3-D dot, one of cos/sin) took 401 us in TF32 and 325 us in bf16 against the
-einsum's 181 us and 110 us and the dense GEMM's 158 us and 69 us (chapter 2's launch
-sweep and probe, ``02_block_diagonal_gemm_history``); the FMA dot of strict fp32
-takes 11-15 ms. Two other designs, one program per mode with strided loads, and a
-register split by ``tl.reshape`` + ``tl.split``, compiled without spills and were no
-faster (the same folder). Compiled offline for sm_90 (``ecekern.captures.registers``),
-the launches tried use 249-255 registers per thread or spill to local memory (strict
-fp32 always does), with 8-160 KB of shared memory per program. So ``path="auto"``
-never picks it (``ecekern.linear.auto_path``).
+Not fast: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch (one of
+cos/sin) takes 1348 us in strict fp32, 403 us in TF32 and 326 us in bf16 against DRAM
+floors of 50, 50 and 25 us, and loses to the einsum and the dense GEMM in every cell
+of chapter 2's capture. Nsight Compute says why: each program re-reads its slice of W
+from L2 for every block of rows, so the kernel moves 8-10x more bytes through L2 than
+through DRAM with few programs per SM (12-18 % of the warp slots), and in strict fp32
+the FMA dot spills to local memory. Two other designs, one program per mode with
+strided loads, and a register split by ``tl.reshape`` + ``tl.split``, were no faster
+(``02_block_diagonal_gemm_history``). So ``path="auto"`` never picks it (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -935,20 +934,27 @@ class _EquivariantLinearFn(torch.autograd.Function):
 # public function and module
 # --------------------------------------------------------------------------------------
 def _dense(x_cos, x_sin, weight, bias):
-    """One row-major GEMM against the per-m block-diagonal weight."""
+    """One row-major GEMM against the per-m block-diagonal weight.
+
+    The weight is built transposed, ``w_t[o n_ang + n, k n_ang + m] = W[m, o, k]
+    (m == n)``, one contiguous ``(O, K, n_ang)`` slab per mode stacked along a new
+    axis: no permute and so no copy, forward or backward (an einsum or a reshape of a
+    permuted weight costs two ``aten::copy_`` per call). The GEMM reads it transposed,
+    which cuBLAS does for free."""
     n_ang, O, K = weight.shape
     lead = x_cos.shape[:-2]
     eye = torch.eye(n_ang, dtype=weight.dtype, device=weight.device)
-    # W_bd[k * n_ang + m, o * n_ang + n] = W[m, o, k] * (m == n)
-    w_bd = torch.einsum("mok,mn->kmon", weight, eye).reshape(K * n_ang, O * n_ang)
+    w_t = torch.stack(
+        [w_m[:, :, None] * eye[m] for m, w_m in enumerate(weight.unbind(0))], dim=1
+    ).reshape(O * n_ang, K * n_ang)
     xc = x_cos.reshape(-1, K * n_ang)
     xs = x_sin.reshape(-1, K * n_ang)
     if bias is not None:
-        b_bd = torch.cat([bias[:, None], bias.new_zeros(O, n_ang - 1)], 1).reshape(-1)
-        y_cos = torch.addmm(b_bd, xc, w_bd)
+        b_bd = (bias[:, None] * eye[0]).reshape(-1)  # on the m = 0 slots only
+        y_cos = torch.addmm(b_bd, xc, w_t.t())
     else:
-        y_cos = xc @ w_bd
-    y_sin = xs @ w_bd
+        y_cos = xc @ w_t.t()
+    y_sin = xs @ w_t.t()
     return y_cos.reshape(*lead, O, n_ang), y_sin.reshape(*lead, O, n_ang)
 
 
@@ -973,15 +979,17 @@ def _triton_reason(x_cos, weight) -> str | None:
     return None
 
 
-#: ``path="auto"``, from chapter 2's H200 sweep (E = 47k, F = 192, forward of cos and
-#: sin, 2026-11-29, commit 3e126132bb00; ``02_block_diagonal_gemm_history``): the
-#: dense GEMM beat the einsum wherever its GEMM ran on tensor cores (TF32: 0.26 / 0.32
-#: / 0.41 ms against 0.41 / 0.55 / 0.77 ms at n_ang = 2 / 3 / 4; bf16: 0.30 / 0.35 /
-#: 0.28 against 0.31 / 0.36 / 0.49 ms) and lost or tied in strict fp32, where it does
-#: n_ang times the flops on the FMA units (1.49 against 0.98 ms at n_ang = 3). The
-#: Triton path lost every cell. Not measured, so left on the einsum: n_ang >= 5 on
-#: tensor cores, fp16, fp64, any device but CUDA.
-AUTO_DENSE = {torch.bfloat16: 4, "tf32": 4}
+#: ``path="auto"``, from chapter 2's H200 capture (``book/captures/
+#: 02_block_diagonal_gemm``, commit b7b3dea, 2026-11-29; E = 47k, F = 192, cos and
+#: sin, GPU time): the dense GEMM beat the einsum by more than 5 % wherever its GEMM
+#: ran on tensor cores, at every n_ang measured (TF32: 0.17 / 0.32 / 0.43 / 0.68 ms
+#: against 0.41 / 0.54 / 0.76 / 1.03 ms at n_ang = 2..5; bf16: 0.08 / 0.13 / 0.19 /
+#: 0.28 against 0.23 / 0.36 / 0.49 / 0.66 ms) and lost or tied in strict fp32, where
+#: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
+#: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell. Not
+#: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device
+#: but CUDA.
+AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
 
 
 def auto_path(device_type: str, dtype: torch.dtype, n_ang: int, tf32: bool) -> str:

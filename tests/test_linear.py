@@ -163,15 +163,48 @@ def test_dispatch_follows_the_options_and_the_override(monkeypatch):
 
 def test_auto_dispatch_table():
     """``auto``: dense where the H200 sweep measured it faster (tensor-core GEMMs up
-    to n_ang = 4), the einsum everywhere else."""
+    to n_ang = 5), the einsum everywhere else."""
     f32, bf16 = torch.float32, torch.bfloat16
     assert linear.auto_path("cuda", f32, 3, tf32=True) == "dense"
     assert linear.auto_path("cuda", bf16, 4, tf32=False) == "dense"
     assert linear.auto_path("cuda", f32, 3, tf32=False) == "einsum"  # FMA units
-    assert linear.auto_path("cuda", bf16, 5, tf32=False) == "einsum"  # not measured
+    assert linear.auto_path("cuda", bf16, 5, tf32=False) == "dense"
+    assert linear.auto_path("cuda", bf16, 6, tf32=False) == "einsum"  # not measured
     assert linear.auto_path("cuda", torch.float16, 3, tf32=False) == "einsum"
     assert linear.auto_path("cuda", torch.float64, 3, tf32=True) == "einsum"
     assert linear.auto_path("cpu", bf16, 3, tf32=True) == "einsum"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_dense_path_copies_nothing_and_has_no_bmm(bias):
+    """The layout churn this chapter removes: forward and backward of the dense path
+    issue no ``aten::copy_``, ``clone`` or ``bmm`` (the einsum issues all three). On
+    the CPU ``addmm`` itself copies the bias into its output before the GEMM (on CUDA
+    the bias is cuBLASLt's epilogue); that copy is the GEMM's, not the layout's."""
+    from torch.profiler import profile
+
+    xc, xs, w, b = (
+        t.detach().cpu().requires_grad_() if t is not None else None
+        for t in _args(20, 7, 5, 3, torch.float32, bias=bias)
+    )
+    counts = {}
+    for path in ("einsum", "dense"):
+        y = linear.equivariant_linear(xc, xs, w, b, path=path)  # warm
+        gy = [torch.randn_like(t) for t in y]
+        with profile() as prof:
+            y = linear.equivariant_linear(xc, xs, w, b, path=path)
+            torch.autograd.backward(y, gy)
+        names = [
+            e.name
+            for e in prof.events()
+            if not (e.cpu_parent is not None and e.cpu_parent.name == "aten::addmm")
+        ]
+        counts[path] = {
+            n: names.count(f"aten::{n}") for n in ("copy_", "clone", "bmm", "mm")
+        }
+    assert counts["einsum"]["bmm"] > 0 and counts["einsum"]["copy_"] > 0
+    assert counts["dense"]["copy_"] == counts["dense"]["clone"] == 0
+    assert counts["dense"]["bmm"] == 0 and counts["dense"]["mm"] > 0
 
 
 def test_unsupported_n_ang_falls_back_loudly():

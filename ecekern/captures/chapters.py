@@ -414,9 +414,9 @@ def block_diagonal_gemm(
     path is called past its CUDA gate (``_EquivariantLinearFn``): these rows are how
     the gate gets lifted.
 
-    ``parts`` (comma-separated): ``launch``, ``steps``, ``ncu``, ``sweep``, or
-    ``sweep=E:n_ang;E:n_ang`` for some cells of the sweep only. Without ``launch``
-    the library's launch choices are used.
+    ``parts`` (comma-separated): ``launch``, ``steps`` (or ``steps=dense;einsum``
+    for some paths), ``ncu``, ``sweep`` (or ``sweep=E:n_ang;E:n_ang`` for some
+    cells). Without ``launch`` the library's launch choices are used.
     """
     from .. import linear, reference
 
@@ -433,7 +433,8 @@ def block_diagonal_gemm(
     if dev == "cuda" and "steps" in todo:
         # then what the chapter cannot do without (the force steps, Nsight
         # Compute), before the long E sweep
-        _linear_model_steps(out, quick, info)
+        paths = tuple(todo["steps"].split(";")) if todo["steps"] else None
+        _linear_model_steps(out, quick, info, paths or LINEAR_PATHS_MEASURED)
     if dev == "cuda" and ncu and "ncu" in todo:
         os.environ["ECEKERN_LINEAR_CONFIG"] = json.dumps(info.get("launch_configs", {}))
         info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
@@ -612,7 +613,9 @@ def _count_ops(prof_rows: list[dict], names: tuple[str, ...]) -> dict:
     }
 
 
-def _linear_model_steps(out: Path, quick: bool, info: dict) -> None:
+def _linear_model_steps(
+    out: Path, quick: bool, info: dict, paths: tuple[str, ...]
+) -> None:
     """The model's force step with each EquivariantLinear path, strict fp32 and TF32:
     time, peak memory, and from a profile of each the calls per step of the ops the
     einsum path brings (copies, bmm) and the GEMMs of the dense path."""
@@ -630,7 +633,7 @@ def _linear_model_steps(out: Path, quick: bool, info: dict) -> None:
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
         n_atoms = inputs[0].shape[0]
-        for tf32, path in itertools.product((False, True), LINEAR_PATHS_MEASURED):
+        for tf32, path in itertools.product((False, True), paths):
             bench.set_tf32(tf32)
             with options.use(linear=path):
                 step = lambda: force_step(model, *inputs)
