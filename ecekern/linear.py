@@ -45,7 +45,8 @@ from L2 for every block of rows, so the kernel moves 8-10x more bytes through L2
 through DRAM with few programs per SM (12-18 % of the warp slots), and in strict fp32
 the FMA dot spills to local memory. Two other designs, one program per mode with
 strided loads, and a register split by ``tl.reshape`` + ``tl.split``, were no faster
-(``02_block_diagonal_gemm_history``). So ``path="auto"`` never picks it (``ecekern.linear.auto_path``).
+(``02_block_diagonal_gemm_history``). So ``path="auto"`` never picks it
+(``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
