@@ -30,8 +30,21 @@ def test_progress_rows_come_from_the_chapter_captures():
     assert any(r["chapter"].startswith("1.") for r in rows)
     assert all(r["step_ms"] > 0 for r in rows)
     assert rows == sorted(
-        rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit())
+        rows,
+        key=lambda r: (
+            r["n_atoms"],
+            r["dtype"] != "float32",
+            not r["chapter"][0].isdigit(),
+        ),
     )
+    # a TF32 row is only shown beside the reference's TF32 step at the same size
+    for r in rows:
+        if r["dtype"] != "float32":
+            assert any(
+                x["chapter"].startswith("1.") and x["dtype"] == r["dtype"]
+                for x in rows
+                if x["n_atoms"] == r["n_atoms"]
+            )
 
 
 def test_ncu_pages_parse():

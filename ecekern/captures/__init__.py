@@ -81,13 +81,23 @@ def markdown_table(
 
 
 def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
-    """The progress table: the force step (energy + forces), strict fp32, after each
-    chapter and for the peers, at 512 and 4096 atoms, from the chapters' captures."""
+    """The progress table: the force step (energy + forces) after each chapter and
+    for the peers, at 512 and 4096 atoms, from the chapters' captures: strict fp32,
+    and where a chapter's win is on the tensor cores, its TF32 row beside the
+    reference's TF32 row (``dtype`` says which)."""
     base = Path(root) if root else capture_root()
     rows = []
     ref = load("01_einsum_reference", base / "01_einsum_reference")
     peers = ref.csv("peers") if "peers.csv" in ref.files() else []
-    keys = ("n_atoms", "n_edges", "step_ms", "peak_mem_MiB", "device", "commit")
+    keys = (
+        "n_atoms",
+        "n_edges",
+        "dtype",
+        "step_ms",
+        "peak_mem_MiB",
+        "device",
+        "commit",
+    )
     for r in ref.csv("force_step") + peers:
         if r["dtype"] != "float32":
             continue
@@ -97,9 +107,14 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
         rows.append({"chapter": label, **{k: r[k] for k in keys}})
     p2 = base / "02_block_diagonal_gemm"
     if (p2 / "model_steps.csv").exists():
+        labels = {
+            ("dense", "float32"): "2. dense block-diagonal GEMM",
+            ("einsum", "float32+tf32"): "1. einsum reference",
+            ("dense", "float32+tf32"): "2. dense block-diagonal GEMM (auto)",
+        }
         for r in load("02_block_diagonal_gemm", p2).csv("model_steps"):
-            if r["path"] == "dense" and r["dtype"] == "float32":
-                label = "2. dense block-diagonal GEMM (on the reference)"
+            label = labels.get((r["path"], r["dtype"]))
+            if label:
                 rows.append({"chapter": label, **{k: r[k] for k in keys}})
     p5 = base / "05_fused_scatter"
     if (p5 / "model_steps.csv").exists():
@@ -107,7 +122,14 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
             if r["kind"] == "force step" and r["scatter"] == "fused":
                 label = "5. fused zonal scatter (on the reference)"
                 rows.append({"chapter": label, **{k: r[k] for k in keys}})
-    return sorted(rows, key=lambda r: (r["n_atoms"], not r["chapter"][0].isdigit()))
+    return sorted(
+        rows,
+        key=lambda r: (
+            r["n_atoms"],
+            r["dtype"] != "float32",
+            not r["chapter"][0].isdigit(),
+        ),
+    )
 
 
 NCU_COLUMNS = {
