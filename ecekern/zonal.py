@@ -31,10 +31,13 @@ written.
 Status: deterministic (each destination's segment in ascending CSR order; the backward
 has no reduction across edges), fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32
 accumulation), L = 1..4, any C (padded to a power of two and masked), int64 offsets,
-nodes with no edges, E = 0. Registered as ``torch.library`` ops
+nodes with no edges, E = 0. Registered as ``torch.library`` custom ops
 (``ecekern::zonal_scatter_fwd``, ``ecekern::zonal_edge_gather``) with fake
-implementations and autograd: ``triton_op`` on the GPU, so inductor traces the
-kernels inside; plain ``custom_op`` in Triton's interpreter and without Triton.
+implementations and autograd (custom ops, opaque to inductor). A ``triton_op``
+registration was tried (2026-11-30): its inductor compile test did not finish within
+110 s on the H200, where the custom ops compile and match eager; it was reverted
+untested further. The kernels compute each row's degree instead of loading a table,
+so the ops read no tensor they were not given, which a ``triton_op`` would need.
 On the H200 (2026-11-29; chapter 5's capture at 3e126132bb00, its sweep at
 c3b798f32cf3) the kernels match the reference in fp64 and fp32 for L = 1..4, are
 bitwise deterministic, and compile under inductor equal to eager (the GPU tests at
@@ -62,21 +65,6 @@ except ImportError:  # no Triton wheels on this platform: reference paths only
 
 from . import options, reference
 from .linear import INTERPRET
-
-if getattr(triton, "AVAILABLE", True) and not INTERPRET:
-    # triton_op on the GPU: inductor sees the Triton kernels inside the op (a
-    # custom_op is an opaque call to it); wrap_triton marks each launch for it
-    from torch.library import triton_op, wrap_triton
-else:
-    # plain custom ops: without Triton (kernels never launched), and in Triton's
-    # interpreter, where tracing a triton_op's kernels with fake tensors fails
-
-    def triton_op(name, mutates_args):
-        return torch.library.custom_op(name, mutates_args=mutates_args)
-
-    def wrap_triton(kernel):
-        return kernel
-
 
 __all__ = ["zonal_scatter"]
 
@@ -767,7 +755,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(2),
     )
     if lanes:
-        wrap_triton(_zonal_fwd_lanes_kernel)[(N,)](
+        _zonal_fwd_lanes_kernel[(N,)](
             Z,
             R,
             row_ptr,
@@ -781,7 +769,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
             **common,
         )
         return out
-    wrap_triton(_zonal_fwd_degrees_kernel)[(N,)](
+    _zonal_fwd_degrees_kernel[(N,)](
         Z,
         R,
         row_ptr,
@@ -817,7 +805,7 @@ def zonal_edge_gather(
     by_node = CONFIG["gather"] == "node"
     kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
     grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
-    wrap_triton(kernel)[grid](
+    kernel[grid](
         G,
         Z,
         R,
@@ -850,7 +838,7 @@ def zonal_edge_gather(
 # --------------------------------------------------------------------------------------
 # torch.library ops and their autograd: each derivative is one of the two ops again
 # --------------------------------------------------------------------------------------
-@triton_op("ecekern::zonal_scatter_fwd", mutates_args=())
+@torch.library.custom_op("ecekern::zonal_scatter_fwd", mutates_args=())
 def _scatter_op(
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -867,7 +855,7 @@ def _(Z, R, dst, row_ptr, scale):
     return Z.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
 
 
-@triton_op("ecekern::zonal_edge_gather", mutates_args=())
+@torch.library.custom_op("ecekern::zonal_edge_gather", mutates_args=())
 def _gather_op(
     G: torch.Tensor,
     Z: torch.Tensor,
