@@ -207,6 +207,25 @@ def test_dense_path_copies_nothing_and_has_no_bmm(bias):
     assert counts["dense"]["bmm"] == 0 and counts["dense"]["mm"] > 0
 
 
+def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
+    """The forward's launch on a GPU, per precision: chapter 2's launch sweep picked
+    the split kernel for strict fp32 and the batched dot on the tensor cores."""
+    from ecekern import bench
+
+    monkeypatch.setattr(linear, "INTERPRET", False)
+    try:
+        bench.set_tf32(False)
+        strict = linear._config(torch.float32)
+        bench.set_tf32(True)
+        tf32 = linear._config(torch.float32)
+    finally:
+        bench.set_tf32(False)
+    bf16 = linear._config(torch.bfloat16)
+    assert (strict.block_b, strict.split, strict.bdot) == (64, True, False)
+    assert (tf32.block_b, tf32.bdot) == (64, True)
+    assert (bf16.block_b, bf16.bdot) == (32, True)
+
+
 def test_unsupported_n_ang_falls_back_loudly():
     options.reset_fallback_warnings()
     args = _args(4, 3, 2, 9)
