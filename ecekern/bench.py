@@ -57,6 +57,16 @@ class Timing:
     p90: float
     n: int
 
+    @classmethod
+    def of(cls, times: list[float]) -> Timing:
+        """The median and the 10th and 90th percentiles of ``times`` (ms)."""
+        return cls(
+            statistics.median(times),
+            _quantile(times, 0.1),
+            _quantile(times, 0.9),
+            len(times),
+        )
+
 
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
@@ -110,12 +120,7 @@ def time_fn(
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(
-        statistics.median(times),
-        _quantile(times, 0.1),
-        _quantile(times, 0.9),
-        len(times),
-    )
+    return Timing.of(times)
 
 
 def time_graph(fn, rep_ms: float = 100.0, min_reps: int = 20) -> Timing | None:
@@ -173,12 +178,7 @@ def time_back_to_back(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / n_calls)
-    return Timing(
-        statistics.median(times),
-        _quantile(times, 0.1),
-        _quantile(times, 0.9),
-        len(times),
-    )
+    return Timing.of(times)
 
 
 def cuda_graph(fn, warmup: int = 3):
