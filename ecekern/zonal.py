@@ -51,6 +51,7 @@ size.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -65,6 +66,25 @@ except ImportError:  # no Triton wheels on this platform: reference paths only
 
 from . import options, reference
 from .linear import INTERPRET
+
+#: How the two ops are registered with ``torch.library`` (``ECEKERN_ZONAL_OP``):
+#: ``custom_op`` (opaque to inductor) or ``triton_op`` (inductor traces the Triton
+#: launches inside). ``triton_op`` needs real Triton on a GPU; in the interpreter, or
+#: without Triton, the ops are always custom ops.
+REGISTRATION = os.environ.get("ECEKERN_ZONAL_OP", "custom_op")
+if REGISTRATION not in ("custom_op", "triton_op"):
+    raise ValueError(f"ECEKERN_ZONAL_OP={REGISTRATION!r}: custom_op or triton_op")
+if REGISTRATION == "triton_op" and getattr(triton, "AVAILABLE", True) and not INTERPRET:
+    from torch.library import triton_op, wrap_triton
+else:
+    REGISTRATION = "custom_op"
+
+    def triton_op(name, mutates_args):
+        return torch.library.custom_op(name, mutates_args=mutates_args)
+
+    def wrap_triton(kernel):
+        return kernel
+
 
 __all__ = ["zonal_scatter"]
 
@@ -755,7 +775,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         out.stride(2),
     )
     if lanes:
-        _zonal_fwd_lanes_kernel[(N,)](
+        wrap_triton(_zonal_fwd_lanes_kernel)[(N,)](
             Z,
             R,
             row_ptr,
@@ -769,7 +789,7 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
             **common,
         )
         return out
-    _zonal_fwd_degrees_kernel[(N,)](
+    wrap_triton(_zonal_fwd_degrees_kernel)[(N,)](
         Z,
         R,
         row_ptr,
@@ -805,7 +825,7 @@ def zonal_edge_gather(
     by_node = CONFIG["gather"] == "node"
     kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
     grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
-    kernel[grid](
+    wrap_triton(kernel)[grid](
         G,
         Z,
         R,
@@ -838,7 +858,7 @@ def zonal_edge_gather(
 # --------------------------------------------------------------------------------------
 # torch.library ops and their autograd: each derivative is one of the two ops again
 # --------------------------------------------------------------------------------------
-@torch.library.custom_op("ecekern::zonal_scatter_fwd", mutates_args=())
+@triton_op("ecekern::zonal_scatter_fwd", mutates_args=())
 def _scatter_op(
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -855,7 +875,7 @@ def _(Z, R, dst, row_ptr, scale):
     return Z.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
 
 
-@torch.library.custom_op("ecekern::zonal_edge_gather", mutates_args=())
+@triton_op("ecekern::zonal_edge_gather", mutates_args=())
 def _gather_op(
     G: torch.Tensor,
     Z: torch.Tensor,
