@@ -136,9 +136,13 @@ def _degree_block(
         other=0.0,
     ).to(ACC_DTYPE)
     prod = z[:, :, None] * r[:, None, :]
+    # one return: Triton's code generator rejects two returns of different shapes even
+    # when the branch is decided at compile time
     if acc.shape[0] == 1:  # one partial sum per row: the block's edges summed now
-        return acc + tl.sum(prod, axis=0, keep_dims=True)
-    return acc + prod  # one partial sum per edge lane
+        out = acc + tl.sum(prod, axis=0, keep_dims=True)
+    else:  # one partial sum per edge lane
+        out = acc + prod
+    return out
 
 
 @triton.jit

@@ -134,6 +134,32 @@ def test_register_report_compiles_for_sm90_without_a_gpu():
         assert by[(L, C, "now: tile rule")]["stack_bytes"] <= fixed["stack_bytes"]
 
 
+def test_every_zonal_kernel_variant_compiles_for_sm90():
+    """Every launch variant zonal.CONFIG can select compiles for the H200 (the
+    per-block sums variant once failed there only: the interpreter does not check
+    that both returns of a jit function have one shape)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ecekern.captures import registers
+
+    if not registers.available():
+        pytest.skip("Triton's NVIDIA tools are not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-m", "ecekern.captures.registers", "--zonal-variants"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    rows = json.loads(p.stdout)
+    assert len(rows) == 5
+    assert all(0 < r["registers"] <= 255 for r in rows)
+
+
 def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
     """``timeout`` sends SIGTERM: the manifest says so and the rows written so far
     are listed and archived (a device call's time limit must not lose them)."""

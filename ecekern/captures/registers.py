@@ -7,6 +7,7 @@ a per-thread stack in local memory (DRAM behind L1), which is what turns a regis
 tile that is too large into a slow kernel.
 
     python -m ecekern.captures.registers      # the zonal backward's launches, JSON
+    python -m ecekern.captures.registers --zonal-variants   # every zonal variant
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -126,10 +127,57 @@ def zonal_table(cases=None) -> list[dict]:
     return rows
 
 
+def zonal_variants(L: int = 3, C: int = 32, dtype: str = "fp64") -> list[dict]:
+    """Every launch variant of the zonal kernels that ``zonal.CONFIG`` can select
+    (degrees forward with per-edge or per-block partial sums, lanes forward, edge and
+    node gathers), compiled for sm_90: the interpreter type-checks less than the
+    compiler does, so a variant that only the interpreter ran may not compile."""
+    from .. import zonal
+
+    tl = triton.language
+    acc = tl.float64 if dtype == "fp64" else tl.float32
+    S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
+    C_PAD = triton.next_power_of_2(C)
+    D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
+    base = {"C_PAD": C_PAD, "BLOCK_E": 16, "ACC_DTYPE": acc}
+    cases = [
+        (
+            "degrees, per-edge sums",
+            zonal._zonal_fwd_degrees_kernel,
+            dict(L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], STAGES=2, ACC_E=16),
+        ),
+        (
+            "degrees, per-block sums",
+            zonal._zonal_fwd_degrees_kernel,
+            dict(L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], STAGES=2, ACC_E=1),
+        ),
+        ("lanes", zonal._zonal_fwd_lanes_kernel, dict(S_PAD=S_PAD, STAGES=2)),
+        ("edge gather", zonal._zonal_gather_kernel, dict(L=L, S_PAD=S_PAD)),
+        (
+            "node gather",
+            zonal._zonal_gather_node_kernel,
+            dict(L=L, S_PAD=S_PAD, STAGES=2),
+        ),
+    ]
+    rows = []
+    for label, kernel, const in cases:
+        types = {n: f"*{dtype}" for n in kernel.arg_names if n.endswith("_ptr")}
+        types.update(row_ptr_ptr="*i64", dst_ptr="*i64")
+        types.update(scale_hi="fp32", scale_lo="fp32")
+        rows.append(
+            {"variant": label, "L": L, "C": C, "dtype": dtype}
+            | resource_usage(kernel, types, base | const, 1)
+        )
+    return rows
+
+
 def main() -> int:
     if not available():
         print("needs Triton with its NVIDIA tools (Linux wheels)")
         return 1
+    if sys.argv[1:] == ["--zonal-variants"]:
+        print(json.dumps(zonal_variants()))
+        return 0
     print(json.dumps(zonal_table()))
     return 0
 
