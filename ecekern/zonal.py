@@ -68,10 +68,10 @@ from . import options, reference
 from .linear import INTERPRET
 
 #: How the two ops are registered with ``torch.library`` (``ECEKERN_ZONAL_OP``):
-#: ``custom_op`` (opaque to inductor) or ``triton_op`` (inductor traces the Triton
-#: launches inside). ``triton_op`` needs real Triton on a GPU; in the interpreter, or
-#: without Triton, the ops are always custom ops.
-REGISTRATION = os.environ.get("ECEKERN_ZONAL_OP", "custom_op")
+#: ``triton_op`` (the default: inductor traces the Triton launches inside) or
+#: ``custom_op`` (opaque to inductor). ``triton_op`` needs real Triton on a GPU; in
+#: the interpreter, or without Triton, the ops are always custom ops.
+REGISTRATION = os.environ.get("ECEKERN_ZONAL_OP", "triton_op")
 if REGISTRATION not in ("custom_op", "triton_op"):
     raise ValueError(f"ECEKERN_ZONAL_OP={REGISTRATION!r}: custom_op or triton_op")
 if REGISTRATION == "triton_op" and getattr(triton, "AVAILABLE", True) and not INTERPRET:
@@ -751,6 +751,10 @@ def _block_e(kind: str, rows: int, C_PAD: int, dtype: torch.dtype) -> int:
 def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
     """Launch the forward kernel: ``(N, S, C)``, one program per destination node."""
     E, L, C = R.shape
+    # L and C pick compile-time tile shapes: plain ints, also while inductor traces
+    # with symbolic sizes (a symbolic C sends next_power_of_2's bit tricks through
+    # sympy, which took minutes); E and N stay symbolic
+    L, C = int(L), int(C)
     S = (L + 1) ** 2
     N = row_ptr.shape[0] - 1
     out = torch.empty((N, S, C), device=Z.device, dtype=Z.dtype)
@@ -819,6 +823,7 @@ def zonal_edge_gather(
     """Launch the gather: ``dZ (E, S-1)`` and ``dR (E, L, C)``, by destination node
     (``CONFIG["gather"] == "node"``) or by blocks of edges."""
     E, L, C = R.shape
+    L, C = int(L), int(C)  # compile-time tile shapes (see zonal_scatter_fwd)
     S = (L + 1) ** 2
     dz = torch.empty((E, S - 1), device=Z.device, dtype=Z.dtype)
     dr = torch.empty((E, L, C), device=Z.device, dtype=Z.dtype)

@@ -415,7 +415,7 @@ def block_diagonal_gemm(
     the gate gets lifted.
 
     ``parts`` (comma-separated): ``launch``, ``steps`` (or ``steps=dense;einsum``
-    for some paths), ``ncu``, ``sweep`` (or ``sweep=E:n_ang;E:n_ang`` for some
+    for some paths), ``ncu``, ``sweep`` (or ``sweep=E:n_ang;E:n_ang:tf32/bf16`` for some
     cells). Without ``launch`` the library's launch choices are used.
     """
     from .. import linear, reference
@@ -442,19 +442,23 @@ def block_diagonal_gemm(
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]
     cells = [(E, n) for E in Es for n in angs] if "sweep" in todo else []
-    if todo.get("sweep"):
-        cells = [tuple(int(v) for v in c.split(":")) for c in todo["sweep"].split(";")]
-    precisions = [
-        (torch.float32, False, "gemm_float32"),
-        (torch.float32, True, "gemm_float32+tf32"),
-        (torch.bfloat16, False, "gemm_bfloat16"),
-    ]
+    precisions = {
+        "fp32": (torch.float32, False, "gemm_float32"),
+        "tf32": (torch.float32, True, "gemm_float32+tf32"),
+        "bf16": (torch.bfloat16, False, "gemm_bfloat16"),
+    }
+    cells = [(E, n, list(precisions)) for E, n in cells]
+    if todo.get("sweep"):  # E:n_ang or E:n_ang:tf32/bf16 (some precisions only)
+        cells = []
+        for c in todo["sweep"].split(";"):
+            E, n, *which = c.split(":")
+            cells.append((int(E), int(n), which[0].split("/") if which else precisions))
     paths = {
         "einsum": lambda xc, xs, w, b: reference.equivariant_linear(xc, xs, w, b),
         "dense": lambda xc, xs, w, b: linear._dense(xc, xs, w, b),
         "triton": lambda xc, xs, w, b: linear._EquivariantLinearFn.apply(xc, xs, w, b),
     }
-    for E, n_ang in cells:
+    for E, n_ang, which in cells:
         # one (E, n_ang) cell: fresh inputs, every precision and path
         g = torch.Generator(device=dev).manual_seed(E + n_ang)
         x64 = [
@@ -467,7 +471,7 @@ def block_diagonal_gemm(
         )
         b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
         truth = reference.equivariant_linear(*x64, w64, b64)
-        for dtype, tf32, ceiling in precisions:
+        for dtype, tf32, ceiling in (precisions[p] for p in which):
             bench.set_tf32(tf32)
             xc, xs = (t.to(dtype).requires_grad_() for t in x64)
             w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
