@@ -31,22 +31,21 @@ written.
 Status: deterministic (each destination's segment in ascending CSR order; the backward
 has no reduction across edges), fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32
 accumulation), L = 1..4, any C (padded to a power of two and masked), int64 offsets,
-nodes with no edges, E = 0. Registered as ``torch.library`` custom ops
+nodes with no edges, E = 0. Registered as ``torch.library`` ops
 (``ecekern::zonal_scatter_fwd``, ``ecekern::zonal_edge_gather``) with fake
-implementations and autograd (custom ops, opaque to inductor). A ``triton_op``
-registration was tried (2026-11-30): its inductor compile test did not finish within
-110 s on the H200, where the custom ops compile and match eager; it was reverted
-untested further. The kernels compute each row's degree instead of loading a table,
-so the ops read no tensor they were not given, which a ``triton_op`` would need.
-On the H200 (2026-11-29; chapter 5's capture at 3e126132bb00, its sweep at
-c3b798f32cf3) the kernels match the reference in fp64 and fp32 for L = 1..4, are
-bitwise deterministic, and compile under inductor equal to eager (the GPU tests at
-8716f0a42bc6). At 365k edges, L = 3, C = 32 the pipelined degree-by-degree forward
-takes 57 us of GPU time (CUDA-graph replay; Nsight Compute: 50 us, 71 % of DRAM
-peak) against a 40 us floor, and forward plus backward 0.24 ms against the
-reference's 6.9 ms. Called eagerly the op costs about 0.1 ms of host work (the
-custom-op dispatcher, autograd, Triton's launcher), more than its kernels at that
-size.
+implementations and autograd: ``triton_op`` on the GPU, so inductor traces the Triton
+launches inside (``REGISTRATION``); custom ops in the interpreter. The launchers make L
+and C plain ints (the tile shapes) and keep E and N symbolic under ``dynamic=True``. On
+the H200 (2026-11-30) every zonal test passes with the ops as ``triton_op``
+(47afb6371422; the inductor test compiles in 8 s), and the inductor test also as custom
+ops. On the H200 (2026-11-29; chapter 5's capture at 3e126132bb00, its sweep at
+c3b798f32cf3) the kernels match the reference in fp64 and fp32 for L = 1..4, are bitwise
+deterministic, and compile under inductor equal to eager (the GPU tests at
+8716f0a42bc6). At 365k edges, L = 3, C = 32 the pipelined degree-by-degree forward takes
+57 us of GPU time (CUDA-graph replay; Nsight Compute: 50 us, 71 % of DRAM peak) against
+a 40 us floor, and forward plus backward 0.24 ms against the reference's 6.9 ms. Called
+eagerly the op costs about 0.1 ms of host work (the custom-op dispatcher, autograd,
+Triton's launcher), more than its kernels at that size.
 """
 
 from __future__ import annotations
