@@ -39,14 +39,15 @@ wrong fp32 results seen in an earlier H200 run did not come back with the curren
 kernels; the strict expected-failure tests that held them now run as plain tests.
 Not fast: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch (one of
 cos/sin) takes 1348 us in strict fp32, 403 us in TF32 and 326 us in bf16 against DRAM
-floors of 50, 50 and 25 us, and loses to the einsum and the dense GEMM in every cell
-of chapter 2's capture. Nsight Compute says why: each program re-reads its slice of W
-from L2 for every block of rows, so the kernel moves 8-10x more bytes through L2 than
-through DRAM with few programs per SM (12-18 % of the warp slots), and in strict fp32
-the FMA dot spills to local memory. Two other designs, one program per mode with
-strided loads, and a register split by ``tl.reshape`` + ``tl.split``, were no faster
-(``02_block_diagonal_gemm_history``). So ``path="auto"`` never picks it
-(``ecekern.linear.auto_path``).
+floors of 50, 50 and 25 us, and loses to the einsum and the dense GEMM in every cell of
+chapter 2's capture. Nsight Compute says why: each program re-reads its slice of W from
+L2 for every block of rows, so the kernel moves 8-10x more bytes through L2 than through
+DRAM with few programs per SM (12-18 % of the warp slots), and in strict fp32 the FMA
+dot spills to local memory. Two other designs, one program per mode with strided loads,
+and a register split by ``tl.reshape`` + ``tl.split``, were no faster
+(``02_block_diagonal_gemm_history``), and neither were 85 further launches with 1-3
+software-pipelining stages (2026-11-30: bf16 293 us, TF32 401 us at best). So
+``path="auto"`` never picks it (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
