@@ -103,6 +103,17 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkey
         assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0
 
 
+def test_sweep_cells_name_their_precisions():
+    from ecekern.captures.chapters import sweep_cell
+
+    p = {"fp32": 0, "tf32": 1, "bf16": 2}
+    assert sweep_cell("365000:5", p) == (365000, 5, ["fp32", "tf32", "bf16"])
+    assert sweep_cell("47000:3:tf32/bf16", p) == (47000, 3, ["tf32", "bf16"])
+    for bad in ("47000:3:fp16", "47000:3:tf32:bf16"):
+        with pytest.raises(ValueError, match="sweep cell"):
+            sweep_cell(bad, p)
+
+
 def test_register_report_compiles_for_sm90_without_a_gpu():
     """The offline resource report of chapter 5 (in a process without the
     interpreter, which would replace the kernels by Python functions)."""

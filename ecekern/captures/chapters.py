@@ -441,18 +441,16 @@ def block_diagonal_gemm(
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]
-    cells = [(E, n) for E in Es for n in angs] if "sweep" in todo else []
     precisions = {
         "fp32": (torch.float32, False, "gemm_float32"),
         "tf32": (torch.float32, True, "gemm_float32+tf32"),
         "bf16": (torch.bfloat16, False, "gemm_bfloat16"),
     }
-    cells = [(E, n, list(precisions)) for E, n in cells]
-    if todo.get("sweep"):  # E:n_ang or E:n_ang:tf32/bf16 (some precisions only)
+    cells = [(E, n, list(precisions)) for E in Es for n in angs]
+    if todo.get("sweep"):
+        cells = [sweep_cell(c, precisions) for c in todo["sweep"].split(";")]
+    elif "sweep" not in todo:
         cells = []
-        for c in todo["sweep"].split(";"):
-            E, n, *which = c.split(":")
-            cells.append((int(E), int(n), which[0].split("/") if which else precisions))
     paths = {
         "einsum": lambda xc, xs, w, b: reference.equivariant_linear(xc, xs, w, b),
         "dense": lambda xc, xs, w, b: linear._dense(xc, xs, w, b),
@@ -531,6 +529,20 @@ def block_diagonal_gemm(
         bench.set_tf32(False)
         _free()
     return info
+
+
+def sweep_cell(spec: str, precisions) -> tuple[int, int, list[str]]:
+    """``"E:n_ang"`` or ``"E:n_ang:tf32/bf16"`` (some precisions only) as
+    ``(E, n_ang, [precision, ...])``."""
+    E, n, *which = spec.split(":")
+    names = which[0].split("/") if which else list(precisions)
+    unknown = [p for p in names if p not in precisions]
+    if len(which) > 1 or unknown:
+        raise ValueError(
+            f"sweep cell {spec!r}: E:n_ang or E:n_ang:p1/p2 with p in "
+            f"{'/'.join(precisions)}"
+        )
+    return int(E), int(n), names
 
 
 def _linear_launch_sweep(out: Path, quick: bool) -> dict:
