@@ -103,6 +103,18 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkey
         assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0
 
 
+def test_parts_are_parsed_and_unknown_parts_rejected():
+    from ecekern.captures.chapters import parse_parts
+
+    known = ("launch", "steps", "sweep")
+    assert parse_parts("launch,steps=dense;einsum", known) == {
+        "launch": "",
+        "steps": "dense;einsum",
+    }
+    with pytest.raises(ValueError, match="unknown part"):
+        parse_parts("launch,sweeps", known)
+
+
 def test_sweep_cells_name_their_precisions():
     from ecekern.captures.chapters import sweep_cell
 

@@ -245,7 +245,7 @@ def einsum_reference(
     from ecekern.model import force_step, prepare_inputs
     from ecekern.peers import E3nnConvModel
 
-    todo = set(parts.split(","))
+    todo = parse_parts(parts, ("reference", "profiles", "peers", "ncu", "scaling"))
     cfg = ecekern.ECEConfig()
     info: dict = {"parts": sorted(todo)}
     boxes = (
@@ -423,7 +423,7 @@ def block_diagonal_gemm(
     ceil = _ceilings()
     rows = []
     dev = _device()
-    todo = dict(p.partition("=")[::2] for p in parts.split(","))
+    todo = parse_parts(parts, ("launch", "steps", "ncu", "sweep"))
     info = {"parts": parts}
     if dev == "cuda" and "launch" in todo:
         # first: the launch choices the rest of the capture then uses
@@ -529,6 +529,16 @@ def block_diagonal_gemm(
         bench.set_tf32(False)
         _free()
     return info
+
+
+def parse_parts(parts: str, known: tuple[str, ...]) -> dict[str, str]:
+    """``"a,b=arg,c"`` as ``{"a": "", "b": "arg", "c": ""}``; a name that is not one
+    of ``known`` is an error (a typo would otherwise measure nothing)."""
+    todo = dict(p.partition("=")[::2] for p in parts.split(","))
+    unknown = sorted(set(todo) - set(known))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}: choose from {', '.join(known)}")
+    return todo
 
 
 def sweep_cell(spec: str, precisions) -> tuple[int, int, list[str]]:
@@ -716,7 +726,7 @@ def fused_scatter(
     ``parts`` (comma-separated) selects what runs: without ``launch`` the library's
     ``zonal.CONFIG`` is used as it is.
     """
-    todo = set(parts.split(","))
+    todo = parse_parts(parts, ("launch", "sweep", "steps", "ncu"))
     from .. import reference, zonal
     from ..graph import csr_row_ptr
 
