@@ -87,8 +87,10 @@ CUDA_VALIDATED = {
 #: memory than the SM has (Triton raises OutOfResources).
 STAGES = int(os.environ.get("ECEKERN_TRITON_STAGES", "1"))
 #: Split the modes of one contiguous tile in registers (True) or load each mode as its
-#: own strided tile (False): the same bytes from DRAM, the second leans on L1.
-SPLIT = os.environ.get("ECEKERN_TRITON_SPLIT", "1") == "1"
+#: own strided tile (False): the same bytes from DRAM, the second leans on L1. With
+#: features-first tiles the strided loads won every launch measured on the H200
+#: (the split sums across the lanes that hold one feature's modes).
+SPLIT = os.environ.get("ECEKERN_TRITON_SPLIT", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------
@@ -96,14 +98,21 @@ SPLIT = os.environ.get("ECEKERN_TRITON_SPLIT", "1") == "1"
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _mode(t3, offs_m, m: tl.constexpr):
-    """Slot m of a ``[R, C, NA_PAD]`` register tile, as ``[R, C]``."""
-    return tl.sum(tl.where(offs_m[None, None, :] == m, t3, 0.0), axis=2)
+    """Slot m of a ``[C, NA_PAD, R]`` register tile, as ``[C, R]``."""
+    return tl.sum(tl.where(offs_m[None, :, None] == m, t3, 0.0), axis=1)
 
 
 @triton.jit
 def _mode_of(t3, offs_m, ptrs2, mask2, stride_m, m: tl.constexpr, SPLIT: tl.constexpr):
-    """Mode m as ``[R, C]``: split from the contiguous tile t3 in registers (SPLIT),
-    or loaded directly as a strided tile (stride n_ang between neighbours)."""
+    """Mode m as a features-by-rows ``[C, R]`` tile: split from the contiguous tile t3
+    in registers (SPLIT), or loaded directly as a strided tile (stride n_ang between
+    neighbours).
+
+    Every tile of x, g and y is laid out features first, rows last, and transposed
+    in registers where a dot wants rows first. Triton's coalescing gives a load's
+    threads to the tile's first axis when the strides do not say which is contiguous:
+    rows first put a warp's 32 threads on 32 different rows, one 32-byte sector per
+    element, and made every kernel here 5-10x slower than DRAM on the H200."""
     if SPLIT:
         return _mode(t3, offs_m, m)
     else:
@@ -127,7 +136,7 @@ def _mode_dot(
     SPLIT: tl.constexpr,
 ):
     """``acc + x[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_O]`` tile of W."""
-    xm = _mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT)  # [BB, BK]
+    xm = tl.trans(_mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT))
     wm = tl.load(
         w_tile_ptrs + m * stride_w_m, mask=w_mask, other=0.0
     )  # [BLOCK_K, BLOCK_O]
@@ -194,16 +203,16 @@ def _eqlin_fwd_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        # 1. one contiguous [BLOCK_B, BLOCK_K, NA_PAD] tile of x (rows of K * n_ang)
+        # 1. one contiguous [BLOCK_K, NA_PAD, BLOCK_B] tile of x (rows of K * n_ang)
         x_ptrs = (
             x_ptr
-            + offs_b[:, None, None] * stride_x_b
-            + offs_k[None, :, None] * stride_x_k
-            + offs_m[None, None, :] * stride_x_m
+            + offs_k[:, None, None] * stride_x_k
+            + offs_m[None, :, None] * stride_x_m
+            + offs_b[None, None, :] * stride_x_b
         )
-        x_mask = mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :]
-        x_ptrs2 = x_ptr + offs_b[:, None] * stride_x_b + offs_k[None, :] * stride_x_k
-        x_mask2 = mask_b[:, None] & mask_k[None, :]
+        x_mask = mask_k[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
+        x_ptrs2 = x_ptr + offs_k[:, None] * stride_x_k + offs_b[None, :] * stride_x_b
+        x_mask2 = mask_k[:, None] & mask_b[None, :]
         if SPLIT:
             x3 = tl.load(x_ptrs, mask=x_mask, other=0.0)
         else:
@@ -341,50 +350,50 @@ def _eqlin_fwd_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc0 += bias[None, :]
-    if SPLIT:  # 3. interleave the modes in registers; one [BB, BO, NA_PAD] store
-        sel = offs_m[None, None, :]
-        y3 = tl.where(sel == 0, acc0[:, :, None], 0.0)
+    if SPLIT:  # 3. interleave the modes in registers; one [BO, NA_PAD, BB] store
+        sel = offs_m[None, :, None]
+        y3 = tl.where(sel == 0, tl.trans(acc0)[:, None, :], 0.0)
         if N_ANG > 1:
-            y3 += tl.where(sel == 1, acc1[:, :, None], 0.0)
+            y3 += tl.where(sel == 1, tl.trans(acc1)[:, None, :], 0.0)
         if N_ANG > 2:
-            y3 += tl.where(sel == 2, acc2[:, :, None], 0.0)
+            y3 += tl.where(sel == 2, tl.trans(acc2)[:, None, :], 0.0)
         if N_ANG > 3:
-            y3 += tl.where(sel == 3, acc3[:, :, None], 0.0)
+            y3 += tl.where(sel == 3, tl.trans(acc3)[:, None, :], 0.0)
         if N_ANG > 4:
-            y3 += tl.where(sel == 4, acc4[:, :, None], 0.0)
+            y3 += tl.where(sel == 4, tl.trans(acc4)[:, None, :], 0.0)
         if N_ANG > 5:
-            y3 += tl.where(sel == 5, acc5[:, :, None], 0.0)
+            y3 += tl.where(sel == 5, tl.trans(acc5)[:, None, :], 0.0)
         if N_ANG > 6:
-            y3 += tl.where(sel == 6, acc6[:, :, None], 0.0)
+            y3 += tl.where(sel == 6, tl.trans(acc6)[:, None, :], 0.0)
         if N_ANG > 7:
-            y3 += tl.where(sel == 7, acc7[:, :, None], 0.0)
+            y3 += tl.where(sel == 7, tl.trans(acc7)[:, None, :], 0.0)
         y_ptrs = (
             y_ptr
-            + offs_b[:, None, None] * stride_y_b
-            + offs_o[None, :, None] * stride_y_o
-            + offs_m[None, None, :] * stride_y_m
+            + offs_o[:, None, None] * stride_y_o
+            + offs_m[None, :, None] * stride_y_m
+            + offs_b[None, None, :] * stride_y_b
         )
-        y_mask = mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :]
+        y_mask = mask_o[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
         tl.store(y_ptrs, y3.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:  # 3. one strided [BB, BO] store per mode
-        yp = y_ptr + offs_b[:, None] * stride_y_b + offs_o[None, :] * stride_y_o
-        ym = mask_b[:, None] & mask_o[None, :]
+    else:  # 3. one strided [BO, BB] store per mode
+        yp = y_ptr + offs_o[:, None] * stride_y_o + offs_b[None, :] * stride_y_b
+        ym = mask_o[:, None] & mask_b[None, :]
         ty = y_ptr.dtype.element_ty
-        tl.store(yp, acc0.to(ty), mask=ym)
+        tl.store(yp, tl.trans(acc0).to(ty), mask=ym)
         if N_ANG > 1:
-            tl.store(yp + stride_y_m, acc1.to(ty), mask=ym)
+            tl.store(yp + stride_y_m, tl.trans(acc1).to(ty), mask=ym)
         if N_ANG > 2:
-            tl.store(yp + 2 * stride_y_m, acc2.to(ty), mask=ym)
+            tl.store(yp + 2 * stride_y_m, tl.trans(acc2).to(ty), mask=ym)
         if N_ANG > 3:
-            tl.store(yp + 3 * stride_y_m, acc3.to(ty), mask=ym)
+            tl.store(yp + 3 * stride_y_m, tl.trans(acc3).to(ty), mask=ym)
         if N_ANG > 4:
-            tl.store(yp + 4 * stride_y_m, acc4.to(ty), mask=ym)
+            tl.store(yp + 4 * stride_y_m, tl.trans(acc4).to(ty), mask=ym)
         if N_ANG > 5:
-            tl.store(yp + 5 * stride_y_m, acc5.to(ty), mask=ym)
+            tl.store(yp + 5 * stride_y_m, tl.trans(acc5).to(ty), mask=ym)
         if N_ANG > 6:
-            tl.store(yp + 6 * stride_y_m, acc6.to(ty), mask=ym)
+            tl.store(yp + 6 * stride_y_m, tl.trans(acc6).to(ty), mask=ym)
         if N_ANG > 7:
-            tl.store(yp + 7 * stride_y_m, acc7.to(ty), mask=ym)
+            tl.store(yp + 7 * stride_y_m, tl.trans(acc7).to(ty), mask=ym)
 
 
 @triton.jit
@@ -435,12 +444,12 @@ def _eqlin_fwd_bdot_kernel(
         mask_k = offs_k < K
         x3 = tl.load(
             x_ptr
-            + offs_b[:, None, None] * stride_x_b
-            + offs_k[None, :, None] * stride_x_k
-            + offs_m[None, None, :] * stride_x_m,
-            mask=mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :],
+            + offs_k[:, None, None] * stride_x_k
+            + offs_m[None, :, None] * stride_x_m
+            + offs_b[None, None, :] * stride_x_b,
+            mask=mask_k[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :],
             other=0.0,
-        )  # [BB, BK, NA]: contiguous rows of K * n_ang
+        )  # [BK, NA, BB]: contiguous rows of K * n_ang, features first
         w3 = tl.load(
             w_ptr
             + offs_m[:, None, None] * stride_w_m
@@ -449,7 +458,7 @@ def _eqlin_fwd_bdot_kernel(
             mask=mask_m[:, None, None] & mask_k[None, :, None] & mask_o[None, None, :],
             other=0.0,
         )  # [NA, BK, BO]
-        xm = tl.permute(x3, (2, 0, 1))  # [NA, BB, BK]
+        xm = tl.permute(x3, (1, 2, 0))  # [NA, BB, BK]
         if UPCAST:
             xm = xm.to(tl.float32)
             w3 = w3.to(tl.float32)
@@ -459,14 +468,14 @@ def _eqlin_fwd_bdot_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc += tl.where(offs_m[:, None, None] == 0, bias[None, None, :], 0.0)
-    y3 = tl.permute(acc, (1, 2, 0))  # [BB, BO, NA]
+    y3 = tl.permute(acc, (2, 0, 1))  # [BO, NA, BB]
     tl.store(
         y_ptr
-        + offs_b[:, None, None] * stride_y_b
-        + offs_o[None, :, None] * stride_y_o
-        + offs_m[None, None, :] * stride_y_m,
+        + offs_o[:, None, None] * stride_y_o
+        + offs_m[None, :, None] * stride_y_m
+        + offs_b[None, None, :] * stride_y_b,
         y3.to(y_ptr.dtype.element_ty),
-        mask=mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :],
+        mask=mask_o[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :],
     )
 
 
@@ -488,15 +497,15 @@ def _mode_outer(
     SPLIT: tl.constexpr,
 ):
     """``acc + g[:, :, m]^T @ x[:, :, m]``: ``[BLOCK_O, BLOCK_K]``."""
-    gm = _mode_of(g3, offs_m, g_ptrs2, g_mask2, stride_g_m, m, SPLIT)  # [BB, BO]
-    xm = _mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT)  # [BB, BK]
+    gm = _mode_of(g3, offs_m, g_ptrs2, g_mask2, stride_g_m, m, SPLIT)  # [BO, BB]
+    xm = tl.trans(_mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT))
     if UPCAST:
         gm = gm.to(tl.float32)
         xm = xm.to(tl.float32)
     else:
         gm = gm.to(g_ptrs2.dtype.element_ty)
         xm = xm.to(x_ptrs2.dtype.element_ty)
-    return tl.dot(tl.trans(gm), xm, acc, input_precision=PRECISION, out_dtype=acc.dtype)
+    return tl.dot(gm, xm, acc, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -559,21 +568,21 @@ def _eqlin_bwd_w_kernel(
         offs_b = row0 + r + tl.arange(0, BLOCK_B)
         mask_b = offs_b < B
         g_off = (
-            offs_b[:, None, None] * stride_g_b
-            + offs_o[None, :, None] * stride_g_o
-            + offs_m[None, None, :] * stride_g_m
+            offs_o[:, None, None] * stride_g_o
+            + offs_m[None, :, None] * stride_g_m
+            + offs_b[None, None, :] * stride_g_b
         )
-        g_mask = mask_b[:, None, None] & mask_o[None, :, None] & mask_m[None, None, :]
+        g_mask = mask_o[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
         x_off = (
-            offs_b[:, None, None] * stride_x_b
-            + offs_k[None, :, None] * stride_x_k
-            + offs_m[None, None, :] * stride_x_m
+            offs_k[:, None, None] * stride_x_k
+            + offs_m[None, :, None] * stride_x_m
+            + offs_b[None, None, :] * stride_x_b
         )
-        x_mask = mask_b[:, None, None] & mask_k[None, :, None] & mask_m[None, None, :]
-        g_off2 = offs_b[:, None] * stride_g_b + offs_o[None, :] * stride_g_o
-        g_mask2 = mask_b[:, None] & mask_o[None, :]
-        x_off2 = offs_b[:, None] * stride_x_b + offs_k[None, :] * stride_x_k
-        x_mask2 = mask_b[:, None] & mask_k[None, :]
+        x_mask = mask_k[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
+        g_off2 = offs_o[:, None] * stride_g_o + offs_b[None, :] * stride_g_b
+        g_mask2 = mask_o[:, None] & mask_b[None, :]
+        x_off2 = offs_k[:, None] * stride_x_k + offs_b[None, :] * stride_x_b
+        x_mask2 = mask_k[:, None] & mask_b[None, :]
         for part in tl.static_range(2):  # cos, then sin
             if part == 0:
                 g_ptrs2 = gc_ptr + g_off2
@@ -781,12 +790,12 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
         return Config(16, 16, 16, 1, 1, SPLIT)
     if dtype == torch.float64:
         return Config(32, 16, 32, 4, STAGES, SPLIT)
-    if kind == "fwd":  # the fastest forward launch of chapter 2's launch sweep
+    if kind == "fwd":  # the fastest forward launches of the 2026-11-30 exploration
         if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-            return Config(64, 32, 64, 4, STAGES, split=True)  # 1348 us (FMA dot)
+            return Config(64, 64, 64, 4, 2, SPLIT)  # 1110 us (FMA dot)
         if dtype == torch.float32:
-            return Config(64, 32, 64, 4, STAGES, SPLIT, bdot=True)  # TF32: 403 us
-        return Config(32, 32, 64, 4, STAGES, SPLIT, bdot=True)  # bf16: 326 us
+            return Config(64, 32, 64, 4, STAGES, SPLIT)  # TF32: 221 us
+        return Config(64, 64, 64, 4, STAGES, SPLIT)  # bf16: 149 us
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 

@@ -119,9 +119,17 @@ def test_sweep_cells_name_their_precisions():
     from ecekern.captures.chapters import sweep_cell
 
     p = {"fp32": 0, "tf32": 1, "bf16": 2}
-    assert sweep_cell("365000:5", p) == (365000, 5, ["fp32", "tf32", "bf16"])
-    assert sweep_cell("47000:3:tf32/bf16", p) == (47000, 3, ["tf32", "bf16"])
-    for bad in ("47000:3:fp16", "47000:3:tf32:bf16"):
+    every = ["einsum", "dense", "triton"]
+    assert sweep_cell("365000:5", p) == (365000, 5, ["fp32", "tf32", "bf16"], every)
+    assert sweep_cell("47000:3:tf32/bf16", p) == (47000, 3, ["tf32", "bf16"], every)
+    assert sweep_cell("47000:3:all:triton", p) == (
+        47000,
+        3,
+        ["fp32", "tf32", "bf16"],
+        ["triton"],
+    )
+    assert sweep_cell("47000:2:bf16:dense/triton", p)[3] == ["dense", "triton"]
+    for bad in ("47000:3:fp16", "47000:3:tf32:bf16", "47000:3:all:triton:x"):
         with pytest.raises(ValueError, match="sweep cell"):
             sweep_cell(bad, p)
 

@@ -416,7 +416,8 @@ def block_diagonal_gemm(
 
     ``parts`` (comma-separated): ``launch``, ``steps`` (or ``steps=dense;einsum``
     for some paths), ``ncu``, ``sweep`` (or ``sweep=E:n_ang;E:n_ang:tf32/bf16`` for some
-    cells). Without ``launch`` the library's launch choices are used.
+    cells, ``E:n_ang:all:triton`` for some paths: see :func:`sweep_cell`). Without
+    ``launch`` the library's launch choices are used.
     """
     from .. import linear, reference
 
@@ -446,17 +447,17 @@ def block_diagonal_gemm(
         "tf32": (torch.float32, True, "gemm_float32+tf32"),
         "bf16": (torch.bfloat16, False, "gemm_bfloat16"),
     }
-    cells = [(E, n, list(precisions)) for E in Es for n in angs]
-    if todo.get("sweep"):
-        cells = [sweep_cell(c, precisions) for c in todo["sweep"].split(";")]
-    elif "sweep" not in todo:
-        cells = []
     paths = {
         "einsum": lambda xc, xs, w, b: reference.equivariant_linear(xc, xs, w, b),
         "dense": lambda xc, xs, w, b: linear._dense(xc, xs, w, b),
         "triton": lambda xc, xs, w, b: linear._EquivariantLinearFn.apply(xc, xs, w, b),
     }
-    for E, n_ang, which in cells:
+    cells = [(E, n, list(precisions), list(paths)) for E in Es for n in angs]
+    if todo.get("sweep"):
+        cells = [sweep_cell(c, precisions, paths) for c in todo["sweep"].split(";")]
+    elif "sweep" not in todo:
+        cells = []
+    for E, n_ang, which, cell_paths in cells:
         # one (E, n_ang) cell: fresh inputs, every precision and path
         g = torch.Generator(device=dev).manual_seed(E + n_ang)
         x64 = [
@@ -474,7 +475,8 @@ def block_diagonal_gemm(
             xc, xs = (t.to(dtype).requires_grad_() for t in x64)
             w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
             model = linear.traffic(E, F, F, n_ang, xc.element_size())
-            for name, fn in paths.items():
+            for name in cell_paths:
+                fn = paths[name]
                 try:
                     y = fn(xc, xs, w, b)
                     err = max(rel_err_gpu(a, t) for a, t in zip(y, truth))
@@ -541,18 +543,23 @@ def parse_parts(parts: str, known: tuple[str, ...]) -> dict[str, str]:
     return todo
 
 
-def sweep_cell(spec: str, precisions) -> tuple[int, int, list[str]]:
-    """``"E:n_ang"`` or ``"E:n_ang:tf32/bf16"`` (some precisions only) as
-    ``(E, n_ang, [precision, ...])``."""
+def sweep_cell(
+    spec: str, precisions, paths=("einsum", "dense", "triton")
+) -> tuple[int, int, list[str], list[str]]:
+    """``"E:n_ang"``, ``"E:n_ang:tf32/bf16"`` (some precisions only) or
+    ``"E:n_ang:tf32/bf16:triton"`` (and some paths only; ``:all:`` for every
+    precision) as ``(E, n_ang, [precision, ...], [path, ...])``."""
     E, n, *which = spec.split(":")
-    names = which[0].split("/") if which else list(precisions)
+    names = which[0].split("/") if which and which[0] != "all" else list(precisions)
+    chosen = which[1].split("/") if len(which) > 1 else list(paths)
     unknown = [p for p in names if p not in precisions]
-    if len(which) > 1 or unknown:
+    unknown += [p for p in chosen if p not in paths]
+    if len(which) > 2 or unknown:
         raise ValueError(
-            f"sweep cell {spec!r}: E:n_ang or E:n_ang:p1/p2 with p in "
-            f"{'/'.join(precisions)}"
+            f"sweep cell {spec!r}: E:n_ang, E:n_ang:p1/p2 or E:n_ang:p1/p2:path1/path2 "
+            f"with p in {'/'.join(precisions)} (or all), path in {'/'.join(paths)}"
         )
-    return int(E), int(n), names
+    return int(E), int(n), names, chosen
 
 
 def _linear_launch_sweep(out: Path, quick: bool) -> dict:
@@ -568,13 +575,21 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     w64 = torch.randn(n, F, F, device="cuda", dtype=torch.float64, generator=g) / F**0.5
     b64 = torch.randn(F, device="cuda", dtype=torch.float64, generator=g)
     truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
-    # the fastest tiles of the wider tuning runs (02_block_diagonal_gemm_history)
-    tiles = [(32, 32, 64, 4), (64, 32, 64, 4), (64, 32, 64, 8)]
-    kinds = [("bdot", True, True), ("split", True, False)]
+    # the fastest tiles of the wider tuning runs (02_block_diagonal_gemm_history):
+    # the strided loads at one and two stages, the register split and the batched
+    # dot at one
+    tiles = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4)]
+    kinds = [("strided", False, False), ("bdot", True, True), ("split", True, False)]
     rows, best = [], {}
     precisions = [("float32", False), ("float32", True), ("bfloat16", False)]
-    for (dt, tf32), (name, split, bdot), tile, stages in itertools.product(
-        precisions, kinds, tiles[:2] if quick else tiles, (1,)
+    launches = [
+        (k, t, s)
+        for k in kinds
+        for t in (tiles[:2] if quick or k[0] != "strided" else tiles)
+        for s in ((1, 2) if k[0] == "strided" else (1,))
+    ]
+    for (dt, tf32), ((name, split, bdot), tile, stages) in itertools.product(
+        precisions, launches
     ):
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
