@@ -37,17 +37,21 @@ interpreter every configuration matches the einsum in fp64 to 1e-12; on the H200
 einsum (fp32 2.5e-7, TF32 7.7e-4, fp64 exactly) at one software-pipelining stage. The
 wrong fp32 results seen in an earlier H200 run did not come back with the current
 kernels; the strict expected-failure tests that held them now run as plain tests.
-Not fast: on the H200 at E = 47k, F = 192, n_ang = 3 the best forward launch (one of
-cos/sin) takes 1348 us in strict fp32, 403 us in TF32 and 326 us in bf16 against DRAM
-floors of 50, 50 and 25 us, and loses to the einsum and the dense GEMM in every cell of
-chapter 2's capture. Nsight Compute says why: each program re-reads its slice of W from
-L2 for every block of rows, so the kernel moves 8-10x more bytes through L2 than through
-DRAM with few programs per SM (12-18 % of the warp slots), and in strict fp32 the FMA
-dot spills to local memory. Two other designs, one program per mode with strided loads,
-and a register split by ``tl.reshape`` + ``tl.split``, were no faster
-(``02_block_diagonal_gemm_history``), and neither were 85 further launches with 1-3
-software-pipelining stages (2026-11-30: bf16 293 us, TF32 401 us at best). So
-``path="auto"`` never picks it (``ecekern.linear.auto_path``).
+Faster, not yet fast: until 2026-11-30 every tile was laid out rows first, and with
+strides that do not say which axis is contiguous Triton's coalescing gave a warp's 32
+threads to 32 different rows, one 32-byte sector per element; the best forward launch
+(one of cos/sin, E = 47k, F = 192, n_ang = 3) took 326 us in bf16, 403 us in TF32 and
+1348 us in strict fp32. Features first (``_mode_of``), chapter 2's launch sweep
+(ee10e9b) measured 149, 224 and 932 us, against floors of 25 and 50 us (DRAM) and
+203 us (the FMA units of strict fp32). Cos and sin together at that shape the path
+now beats the einsum on the tensor cores (bf16 0.29 against 0.36 ms, TF32 0.44
+against 0.54 ms) and still loses to the dense GEMM there (0.13, 0.32 ms) and to both
+in strict fp32 (1.86 against 0.97 ms). Nsight Compute: 12 % occupancy (255
+registers per thread) and warps waiting on loads. A weight-stationary persistent
+kernel and one that reads x once per row block were no faster
+(``02_block_diagonal_gemm_history``), so what is left is the per-element cost of the
+stride-n_ang loads and stores and the registers, not the bytes. ``path="auto"`` does
+not pick it (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -82,9 +86,11 @@ CUDA_VALIDATED = {
     torch.bfloat16: MAX_N_ANG,
     torch.float16: MAX_N_ANG,
 }
-#: Software-pipelining depth (``ECEKERN_TRITON_STAGES``). One stage matched float64
-#: on the H200 in every dtype; deeper pipelines of the larger tiles need more shared
-#: memory than the SM has (Triton raises OutOfResources).
+#: Software-pipelining depth (``ECEKERN_TRITON_STAGES``) of the launches that do not
+#: fix their own: the strict-fp32 and bf16 forwards run two stages (chapter 2's
+#: launch sweep, which checks every launch against float64); deeper pipelines of the
+#: larger tiles need more shared memory than the SM has (Triton raises
+#: OutOfResources).
 STAGES = int(os.environ.get("ECEKERN_TRITON_STAGES", "1"))
 #: Split the modes of one contiguous tile in registers (True) or load each mode as its
 #: own strided tile (False): the same bytes from DRAM, the second leans on L1. With
@@ -112,7 +118,7 @@ def _mode_of(t3, offs_m, ptrs2, mask2, stride_m, m: tl.constexpr, SPLIT: tl.cons
     in registers where a dot wants rows first. Triton's coalescing gives a load's
     threads to the tile's first axis when the strides do not say which is contiguous:
     rows first put a warp's 32 threads on 32 different rows, one 32-byte sector per
-    element, and made every kernel here 5-10x slower than DRAM on the H200."""
+    element, and made the forward 1.4-2.2x slower on the H200 (chapter 2)."""
     if SPLIT:
         return _mode(t3, offs_m, m)
     else:
@@ -790,12 +796,12 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
         return Config(16, 16, 16, 1, 1, SPLIT)
     if dtype == torch.float64:
         return Config(32, 16, 32, 4, STAGES, SPLIT)
-    if kind == "fwd":  # the fastest forward launches of the 2026-11-30 exploration
+    if kind == "fwd":  # the fastest forward launches of chapter 2's launch sweep
         if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-            return Config(64, 64, 64, 4, 2, SPLIT)  # 1110 us (FMA dot)
+            return Config(64, 32, 64, 4, 2, SPLIT)  # 932 us (FMA dot)
         if dtype == torch.float32:
-            return Config(64, 32, 64, 4, STAGES, SPLIT)  # TF32: 221 us
-        return Config(64, 64, 64, 4, STAGES, SPLIT)  # bf16: 149 us
+            return Config(64, 32, 64, 4, STAGES, SPLIT)  # TF32: 224 us
+        return Config(32, 64, 64, 4, 2, SPLIT)  # bf16: 149 us
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
