@@ -18,9 +18,10 @@ Paths (``path=``):
 * ``dense``: one row-major ``addmm`` of ``x (B, K n_ang)`` against the per-m
   block-diagonal ``(K n_ang, O n_ang)`` weight assembled from W each call (autograd
   flows through the assembly); no copies, but n_ang times the needed flops;
-* ``triton``: a per-mode Triton kernel that loads contiguous
-  ``[BLOCK_B, BLOCK_K, n_ang]`` tiles, splits the modes in registers, does one dot
-  per mode (no zero blocks) and stores one contiguous interleaved tile; the input
+* ``triton``: a per-mode Triton kernel that loads each mode's tile of x with stride
+  n_ang, features first (or, ``ECEKERN_TRITON_SPLIT=1``, one contiguous
+  ``[BLOCK_K, n_ang, BLOCK_B]`` tile split in registers), does one dot per mode (no
+  zero blocks) and stores each mode back the same way; the input
   gradient is the same kernel with W's strides swapped; the weight gradient is a
   deterministic two-stage reduction (per-chunk partial sums, then a sum over chunks;
   no atomics), skipped when W does not require grad.
