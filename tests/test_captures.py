@@ -191,6 +191,36 @@ def test_every_zonal_kernel_variant_compiles_for_sm90():
     assert all(0 < r["registers"] <= 255 for r in rows)
 
 
+def test_linear_tiles_put_a_warp_on_the_features_not_the_rows():
+    """Chapter 2's bug, held: with rows first, Triton's coalescing gave a warp's 32
+    threads to 32 rows (one sector per element). Compiled for sm_90, every tile of x
+    and y of the forward must give the rows axis (BLOCK_B = 16) no lanes and the
+    feature axis all 32. (The rows-first kernels of b7b3dea give the rows 16.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ecekern.captures import registers
+
+    if not registers.available():
+        pytest.skip("Triton's NVIDIA tools are not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-m", "ecekern.captures.registers", "--linear-layouts"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    tiles = [r for r in json.loads(p.stdout) if 16 in r["shape"]]  # x and y, not W
+    assert {r["op"] for r in tiles} >= {"store"} and len(tiles) >= 6
+    for r in tiles:
+        rows = r["shape"].index(16)
+        assert r["threads_per_warp"][rows] == 1, r
+        assert r["threads_per_warp"][1 - rows] == 32, r
+
+
 def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
     """``timeout`` sends SIGTERM: the manifest says so and the rows written so far
     are listed and archived (a device call's time limit must not lose them)."""

@@ -8,6 +8,7 @@ tile that is too large into a slow kernel.
 
     python -m ecekern.captures.registers      # the zonal backward's launches, JSON
     python -m ecekern.captures.registers --zonal-variants   # every zonal variant
+    python -m ecekern.captures.registers --linear-layouts   # chapter 2's tile layouts
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -59,12 +60,7 @@ def resource_usage(
         ``{"registers": per thread, "stack_bytes": per thread (spills), "shared_bytes":
         per program}``.
     """
-    signature = {n: types.get(n, "i32") for n in kernel.arg_names}
-    signature.update({n: "constexpr" for n in constexprs})
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(
-        src, target=GPUTarget(*target), options={"num_warps": num_warps}
-    )
+    compiled = _compile(kernel, types, constexprs, num_warps, target)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as fh:
@@ -80,6 +76,74 @@ def resource_usage(
         "stack_bytes": int(re.search(r"STACK:(\d+)", out).group(1)),
         "shared_bytes": int(compiled.metadata.shared),
     }
+
+
+def _compile(kernel, types: dict, constexprs: dict, num_warps: int, target=H200):
+    signature = {n: types.get(n, "i32") for n in kernel.arg_names}
+    signature.update({n: "constexpr" for n in constexprs})
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(
+        src, target=GPUTarget(*target), options={"num_warps": num_warps}
+    )
+
+
+def memory_layouts(
+    kernel, types: dict, constexprs: dict, num_warps: int, target=H200
+) -> list[dict]:
+    """The register layout of every global load and store of ``kernel`` compiled for
+    ``target`` (arguments as for :func:`resource_usage`): which axis of each tile a
+    warp's threads run along. ``[{"op", "shape", "threads_per_warp", "order"}]``,
+    ``order[0]`` the fastest axis; loads the pipeliner turned into asynchronous
+    copies are listed as ``async_copy``."""
+    ttgir = _compile(kernel, types, constexprs, num_warps, target).asm["ttgir"]
+    blocked = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^(#\w+) = #ttg\.blocked<\{(.*?)\}>", ttgir, re.M)
+    }
+
+    def ints(text, key):
+        return [
+            int(v) for v in re.search(key + r" = \[([0-9, ]*)\]", text)[1].split(",")
+        ]
+
+    rows = []
+    pattern = (
+        r"(tt\.load|tt\.store|ttg\.async_copy_global_to_local) "
+        r".*?tensor<([0-9x]+)x!tt\.ptr<\w+>, (#\w+)>"
+    )
+    for m in re.finditer(pattern, ttgir):
+        layout = blocked.get(m.group(3))
+        if layout is None:  # a linear or slice layout: not a plain tile
+            continue
+        rows.append(
+            {
+                "op": {"tt.load": "load", "tt.store": "store"}.get(
+                    m.group(1), "async_copy"
+                ),
+                "shape": [int(v) for v in m.group(2).split("x")],
+                "threads_per_warp": ints(layout, "threadsPerWarp"),
+                "order": ints(layout, "order"),
+            }
+        )
+    return rows
+
+
+def linear_layouts(block=(16, 32, 64), num_warps: int = 4) -> list[dict]:
+    """The global loads and stores of ``linear._eqlin_fwd_kernel`` (strided loads,
+    n_ang = 3, bf16, contiguous x and y: their mode stride is the constant 1 the JIT
+    specialises on), at a tile whose rows axis (``BLOCK_B``, the last axis of every
+    tile of x and y) has a size of its own."""
+    from .. import linear
+
+    tl = triton.language
+    BB, BK, BO = block
+    types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    const = dict(
+        N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=BB, BLOCK_K=BK, BLOCK_O=BO,
+        PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32, SPLIT=False,
+        stride_x_m=1, stride_y_m=1, stride_w_k=1,
+    )  # fmt: skip
+    return memory_layouts(linear._eqlin_fwd_kernel, types, const, num_warps)
 
 
 def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
@@ -177,6 +241,9 @@ def main() -> int:
         return 1
     if sys.argv[1:] == ["--zonal-variants"]:
         print(json.dumps(zonal_variants()))
+        return 0
+    if sys.argv[1:] == ["--linear-layouts"]:
+        print(json.dumps(linear_layouts()))
         return 0
     print(json.dumps(zonal_table()))
     return 0
