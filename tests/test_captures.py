@@ -134,9 +134,10 @@ def test_sweep_cells_name_their_precisions():
             sweep_cell(bad, p)
 
 
-def test_register_report_compiles_for_sm90_without_a_gpu():
-    """The offline resource report of chapter 5 (in a process without the
-    interpreter, which would replace the kernels by Python functions)."""
+def _offline_sm90(*flags):
+    """``python -m ecekern.captures.registers FLAGS`` as parsed JSON, in a process
+    without the interpreter (which would replace the kernels by Python functions);
+    skips where Triton's NVIDIA tools are missing."""
     import json
     import os
     import subprocess
@@ -148,13 +149,19 @@ def test_register_report_compiles_for_sm90_without_a_gpu():
         pytest.skip("Triton's NVIDIA tools are not installed here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run(
-        [sys.executable, "-m", "ecekern.captures.registers"],
+        [sys.executable, "-m", "ecekern.captures.registers", *flags],
         capture_output=True,
         text=True,
         env=env,
         check=True,
     )
-    rows = json.loads(p.stdout)
+    return json.loads(p.stdout)
+
+
+def test_register_report_compiles_for_sm90_without_a_gpu():
+    """The offline resource report of chapter 5 (in a process without the
+    interpreter, which would replace the kernels by Python functions)."""
+    rows = _offline_sm90()
     assert {(r["L"], r["C"]) for r in rows} == {(3, 32), (4, 32), (3, 64), (3, 100)}
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0
@@ -169,24 +176,7 @@ def test_every_zonal_kernel_variant_compiles_for_sm90():
     """Every launch variant zonal.CONFIG can select compiles for the H200 (the
     per-block sums variant once failed there only: the interpreter does not check
     that both returns of a jit function have one shape)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ecekern.captures import registers
-
-    if not registers.available():
-        pytest.skip("Triton's NVIDIA tools are not installed here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run(
-        [sys.executable, "-m", "ecekern.captures.registers", "--zonal-variants"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    rows = json.loads(p.stdout)
+    rows = _offline_sm90("--zonal-variants")
     assert len(rows) == 5
     assert all(0 < r["registers"] <= 255 for r in rows)
 
@@ -196,24 +186,8 @@ def test_linear_tiles_put_a_warp_on_the_features_not_the_rows():
     threads to 32 rows (one sector per element). Compiled for sm_90, every tile of x
     and y of the forward must give the rows axis (BLOCK_B = 16) no lanes and the
     feature axis all 32. (The rows-first kernels of b7b3dea give the rows 16.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ecekern.captures import registers
-
-    if not registers.available():
-        pytest.skip("Triton's NVIDIA tools are not installed here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run(
-        [sys.executable, "-m", "ecekern.captures.registers", "--linear-layouts"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    tiles = [r for r in json.loads(p.stdout) if 16 in r["shape"]]  # x and y, not W
+    layouts = _offline_sm90("--linear-layouts")
+    tiles = [r for r in layouts if 16 in r["shape"]]  # x and y, not W
     assert {r["op"] for r in tiles} >= {"store"} and len(tiles) >= 6
     for r in tiles:
         rows = r["shape"].index(16)
