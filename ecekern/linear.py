@@ -66,10 +66,16 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # Triton < 3.4: no host-side descriptors
+        TensorDescriptor = None
 except ImportError:  # no Triton wheels on this platform: reference paths only
     from . import _no_triton as triton
 
     tl = triton.language
+    TensorDescriptor = None
 from torch import nn
 
 from . import options, reference
@@ -127,26 +133,59 @@ def _mode_of(t3, offs_m, ptrs2, mask2, stride_m, m: tl.constexpr, SPLIT: tl.cons
 
 
 @triton.jit
+def _x_tiles(
+    t3, offs_m, ptrs2, mask2, stride_m, N_ANG: tl.constexpr, SPLIT: tl.constexpr
+):
+    """The n_ang mode tiles of one K step (``_mode_of``); 0.0 for the unused slots."""
+    x0 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 0, SPLIT)
+    x1 = 0.0
+    x2 = 0.0
+    x3 = 0.0
+    x4 = 0.0
+    x5 = 0.0
+    x6 = 0.0
+    x7 = 0.0
+    if N_ANG > 1:
+        x1 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 1, SPLIT)
+    if N_ANG > 2:
+        x2 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 2, SPLIT)
+    if N_ANG > 3:
+        x3 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 3, SPLIT)
+    if N_ANG > 4:
+        x4 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 4, SPLIT)
+    if N_ANG > 5:
+        x5 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 5, SPLIT)
+    if N_ANG > 6:
+        x6 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 6, SPLIT)
+    if N_ANG > 7:
+        x7 = _mode_of(t3, offs_m, ptrs2, mask2, stride_m, 7, SPLIT)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _mode_dot(
-    x3,
-    offs_m,
-    x_ptrs2,
-    x_mask2,
-    stride_x_m,
+    xm,
     w_tile_ptrs,
     w_mask,
     stride_w_m,
+    w_desc,
+    o0,
+    k0,
     acc,
     m: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
-    """``acc + x[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_O]`` tile of W."""
-    xm = tl.trans(_mode_of(x3, offs_m, x_ptrs2, x_mask2, stride_x_m, m, SPLIT))
-    wm = tl.load(
-        w_tile_ptrs + m * stride_w_m, mask=w_mask, other=0.0
-    )  # [BLOCK_K, BLOCK_O]
+    """``acc + x[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_B]`` tile of mode m and
+    one ``[BLOCK_K, BLOCK_O]`` tile of W, loaded by pointers or (W_DESC) by the bulk
+    copy engine from a tensor descriptor of W ``(n_ang, O, K)``, K contiguous."""
+    if W_DESC:
+        wt = w_desc.load([m, o0, k0])  # [1, BLOCK_O, BLOCK_K], zeros past the edges
+        wm = tl.trans(tl.reshape(wt, [wt.shape[1], wt.shape[2]]))
+    else:
+        wm = tl.load(w_tile_ptrs + m * stride_w_m, mask=w_mask, other=0.0)
+    xm = tl.trans(xm)
     if UPCAST:  # the interpreter's bf16/fp16 dot is wrong: do it in fp32
         xm = xm.to(tl.float32)
         wm = wm.to(tl.float32)
@@ -160,6 +199,7 @@ def _eqlin_fwd_kernel(
     # pointers
     x_ptr,
     w_ptr,
+    w_desc,
     b_ptr,
     y_ptr,
     # sizes
@@ -187,15 +227,27 @@ def _eqlin_fwd_kernel(
     UPCAST: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    STORE3: tl.constexpr = False,
+    W_DESC: tl.constexpr = False,
 ):
     """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile; axis 2 of the grid picks cos/sin
-    (bias only for cos: the launcher passes HAS_BIAS for the cos launch)."""
+    (bias only for cos: the launcher passes HAS_BIAS for the cos launch).
+
+    PREFETCH: load the tiles of the next K step before the dots of this one (a
+    register double buffer: the loads are in flight while the tensor cores work).
+    STORE3: interleave the modes in registers and store one ``[BO, NA_PAD, BB]``
+    tile, lanes along the modes (every byte of a warp's span written by one
+    instruction; per-mode strided stores write each 32-byte sector in n_ang pieces).
+    W_DESC: W through a tensor descriptor (no per-element pointers in registers)."""
     pid_o = tl.program_id(0)  # the O tiles of one row block run side by side:
     pid_b = tl.program_id(1)  # x is read from DRAM once, then from L2
     # int64 row offsets: B * row stride can pass 2^31
     offs_b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    o0 = pid_o * BLOCK_O
+    offs_o = o0 + tl.arange(0, BLOCK_O)
     offs_m = tl.arange(0, NA_PAD)
+    offs_kk = tl.arange(0, BLOCK_K)
     mask_b = offs_b < B
     mask_o = offs_o < O
     mask_m = offs_m < N_ANG
@@ -207,158 +259,103 @@ def _eqlin_fwd_kernel(
     acc5 = tl.zeros([BLOCK_B, BLOCK_O], ACC_DTYPE)
     acc6 = tl.zeros([BLOCK_B, BLOCK_O], ACC_DTYPE)
     acc7 = tl.zeros([BLOCK_B, BLOCK_O], ACC_DTYPE)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        # 1. one contiguous [BLOCK_K, NA_PAD, BLOCK_B] tile of x (rows of K * n_ang)
-        x_ptrs = (
-            x_ptr
-            + offs_k[:, None, None] * stride_x_k
-            + offs_m[None, :, None] * stride_x_m
-            + offs_b[None, None, :] * stride_x_b
+    # features-first [BLOCK_K, BLOCK_B] tiles of one mode; K step k0 adds k0 stride_x_k
+    x_base = x_ptr + offs_kk[:, None] * stride_x_k + offs_b[None, :] * stride_x_b
+    if PREFETCH and not SPLIT:
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_tiles(
+            x_base,
+            offs_m,
+            x_base,
+            (offs_kk[:, None] < K) & mask_b[None, :],
+            stride_x_m,
+            N_ANG,
+            False,
         )
-        x_mask = mask_k[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
-        x_ptrs2 = x_ptr + offs_k[:, None] * stride_x_k + offs_b[None, :] * stride_x_b
-        x_mask2 = mask_k[:, None] & mask_b[None, :]
-        if SPLIT:
-            x3 = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        else:
-            x3 = x_ptrs  # unused
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_kk
+        mask_k = offs_k < K
+        if SPLIT:  # 1. one contiguous [BLOCK_K, NA_PAD, BLOCK_B] tile of x, split
+            x_ptrs = (
+                x_ptr
+                + offs_k[:, None, None] * stride_x_k
+                + offs_m[None, :, None] * stride_x_m
+                + offs_b[None, None, :] * stride_x_b
+            )
+            x_mask = (
+                mask_k[:, None, None] & mask_m[None, :, None] & mask_b[None, None, :]
+            )
+            t3 = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_tiles(
+                t3, offs_m, x_base, x_mask, stride_x_m, N_ANG, True
+            )
+        elif PREFETCH:  # 1. this step's tiles came last step; load the next one's
+            x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
+            n0, n1, n2, n3, n4, n5, n6, n7 = _x_tiles(
+                x_base,
+                offs_m,
+                x_base + (k0 + BLOCK_K) * stride_x_k,
+                ((offs_kk[:, None] + k0 + BLOCK_K) < K) & mask_b[None, :],
+                stride_x_m,
+                N_ANG,
+                False,
+            )
+        else:  # 1. each mode's strided [BLOCK_K, BLOCK_B] tile
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_tiles(
+                x_base,
+                offs_m,
+                x_base + k0 * stride_x_k,
+                mask_k[:, None] & mask_b[None, :],
+                stride_x_m,
+                N_ANG,
+                False,
+            )
         # 2. one true dot per mode against W[m]^T, [BLOCK_K, BLOCK_O]
         w_ptrs = w_ptr + offs_k[:, None] * stride_w_k + offs_o[None, :] * stride_w_o
         w_mask = mask_k[:, None] & mask_o[None, :]
         acc0 = _mode_dot(
-            x3,
-            offs_m,
-            x_ptrs2,
-            x_mask2,
-            stride_x_m,
-            w_ptrs,
-            w_mask,
-            stride_w_m,
-            acc0,
-            0,
-            PRECISION,
-            UPCAST,
-            SPLIT,
-        )
+            x0, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc0, 0,
+            PRECISION, UPCAST, W_DESC,
+        )  # fmt: skip
         if N_ANG > 1:
             acc1 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc1,
-                1,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x1, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc1, 1,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 2:
             acc2 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc2,
-                2,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x2, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc2, 2,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 3:
             acc3 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc3,
-                3,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x3, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc3, 3,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 4:
             acc4 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc4,
-                4,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x4, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc4, 4,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 5:
             acc5 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc5,
-                5,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x5, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc5, 5,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 6:
             acc6 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc6,
-                6,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x6, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc6, 6,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
         if N_ANG > 7:
             acc7 = _mode_dot(
-                x3,
-                offs_m,
-                x_ptrs2,
-                x_mask2,
-                stride_x_m,
-                w_ptrs,
-                w_mask,
-                stride_w_m,
-                acc7,
-                7,
-                PRECISION,
-                UPCAST,
-                SPLIT,
-            )
+                x7, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc7, 7,
+                PRECISION, UPCAST, W_DESC,
+            )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc0 += bias[None, :]
-    if SPLIT:  # 3. interleave the modes in registers; one [BO, NA_PAD, BB] store
-        sel = offs_m[None, :, None]
+    if SPLIT or STORE3:  # 3. interleave the modes in registers; one [BO, NA_PAD, BB]
+        sel = offs_m[None, :, None]  # store
         y3 = tl.where(sel == 0, tl.trans(acc0)[:, None, :], 0.0)
         if N_ANG > 1:
             y3 += tl.where(sel == 1, tl.trans(acc1)[:, None, :], 0.0)
@@ -789,6 +786,9 @@ class Config(NamedTuple):
     stages: int
     split: bool
     bdot: bool = False  # forward: the 3-D batched-dot kernel
+    prefetch: bool = False  # forward: the next K step's x in flight (PREFETCH)
+    store3: bool = False  # forward: modes interleaved in registers, one store
+    w_desc: bool = False  # forward: W by the bulk copy engine (tensor descriptor)
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -806,6 +806,21 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
+def _w_descriptor(w: torch.Tensor, BO: int, BK: int):
+    """``(w, descriptor)`` for W ``(n_ang, O, K)`` with ``[1, BO, BK]`` blocks, W made
+    contiguous first (the input backward passes W transposed: a copy of the small
+    weight); ``(w, None)`` where the bulk copy engine cannot serve it: strides or base
+    not 16-byte aligned, or Triton without host-side descriptors. Either way the
+    kernel computes the same thing (pointers instead)."""
+    if TensorDescriptor is None:
+        return w, None
+    w = w.contiguous()
+    s = w.element_size()
+    if w.data_ptr() % 16 or (w.stride(1) * s) % 16 or (BK * s) % 16:
+        return w, None
+    return w, TensorDescriptor.from_tensor(w, [1, BO, BK])
+
+
 def eqlin_fwd(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -821,13 +836,30 @@ def eqlin_fwd(
         if bias is not None:
             y[:, :, 0] += bias
         return y
-    BB, BK, BO, warps, stages, split, bdot = _config(x.dtype, "fwd")
+    cfg = _config(x.dtype, "fwd")
+    BB, BK, BO, warps, stages, split, bdot = cfg[:7]
+    # the launches are chosen at n_ang = 3; the accumulators and x tiles grow with
+    # n_ang, so fewer rows per program keep the registers of one program about the
+    # same (offline sm_90 builds of 64 rows or 64 features spill at n_ang = 4, 5)
+    if n_ang > 3:
+        BB, BK = max(16, BB // (2 if n_ang <= 6 else 4)), min(BK, 32)
     precision, acc, upcast = _precision(x.dtype)
     grid = (triton.cdiv(O, BO), triton.cdiv(B, BB))
-    extra = {} if bdot else {"SPLIT": split}
-    (_eqlin_fwd_bdot_kernel if bdot else _eqlin_fwd_kernel)[grid](
+    if bdot:
+        kernel, extra, wd = _eqlin_fwd_bdot_kernel, {}, ()
+    else:
+        w, desc = _w_descriptor(w, BO, BK) if cfg.w_desc else (w, None)
+        kernel, wd = _eqlin_fwd_kernel, (desc if desc is not None else w,)
+        extra = dict(
+            SPLIT=split,
+            PREFETCH=cfg.prefetch,
+            STORE3=cfg.store3,
+            W_DESC=desc is not None,
+        )
+    kernel[grid](
         x,
         w,
+        *wd,
         bias if bias is not None else w,
         y,
         B,
@@ -866,7 +898,7 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
     if B == 0 or K == 0 or O == 0:
         return torch.zeros((n_ang, O, K), device=xc.device, dtype=xc.dtype)
-    BB, BK, BO, warps, stages, split, _ = _config(xc.dtype, "bwd_w")
+    BB, BK, BO, warps, stages, split = _config(xc.dtype, "bwd_w")[:6]
     rows = (
         max(BB, triton.cdiv(triton.cdiv(B, 64), BB) * BB) if not INTERPRET else 4 * BB
     )

@@ -362,3 +362,71 @@ def test_both_forward_kernels_match_einsum(bdot, n_ang, monkeypatch):
     args = [t.detach().to(dtype).requires_grad_() for t in args64]
     for got, ref in zip(_run("triton", args), _run("einsum", args64), strict=True):
         assert rel_err(got, ref) < tol
+
+
+VARIANTS = [
+    (True, False, False),
+    (False, True, False),
+    (False, False, True),
+    (True, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    "prefetch, store3, w_desc", VARIANTS, ids=["pre", "st3", "desc", "pre+st3+desc"]
+)
+@pytest.mark.parametrize(
+    "B, K, O, n_ang",
+    [(41, 37, 19, 3), (16, 16, 16, 1), (33, 48, 9, 5), (20, 64, 40, 2)],
+    ids=["awkward", "one-block", "n_ang5", "K-multiple"],
+)
+def test_forward_variants_match_einsum_with_all_gradients(
+    prefetch, store3, w_desc, B, K, O, n_ang, monkeypatch
+):
+    """The forward's launch variants (the next K step prefetched, the modes stored
+    as one interleaved tile, W through a tensor descriptor) compute the same map,
+    forward and input backward (W transposed) alike: fp64 in the interpreter,
+    strict fp32 on the GPU. K = 37 also exercises the prefetch past the last step."""
+    if DEV == "cpu":
+        cfg = linear.Config(16, 16, 16, 1, 1, False, False, prefetch, store3, w_desc)
+        dtype, tol = torch.float64, 1e-12
+    else:
+        cfg = linear.Config(32, 32, 64, 4, 1, False, False, prefetch, store3, w_desc)
+        dtype, tol = torch.float32, 1e-5
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
+    args64 = _args(B, K, O, n_ang)
+    args = [t.detach().to(dtype).requires_grad_() for t in args64]
+    for got, ref in zip(_run("triton", args), _run("einsum", args64), strict=True):
+        assert rel_err(got, ref) < tol
+
+
+def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
+    """m-major x (stride 1 along the rows' features, not the modes) and a W that is
+    not contiguous: the variants follow the strides (W is copied for the
+    descriptor)."""
+    cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True)
+    if DEV != "cpu":
+        cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4)
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
+    g = G(5)
+    x = torch.randn(3, 29, 21, generator=g, dtype=torch.float64).permute(1, 2, 0)
+    w = torch.randn(3, 21, 18, generator=g, dtype=torch.float64).transpose(1, 2)
+    b = torch.randn(18, generator=g, dtype=torch.float64)
+    x, w, b = (t.to(DEV) for t in (x, w, b))
+    assert not x.is_contiguous() and not w.is_contiguous()
+    got = linear.eqlin_fwd(x, w, b)
+    ref = reference.equivariant_linear(x, x, w, b)[0]
+    assert rel_err(got, ref) < 1e-12
+
+
+@pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
+def test_w_descriptor_only_where_the_copy_engine_can_serve():
+    """A tensor descriptor needs 16-byte aligned strides: W of an odd K in fp64 (8 K
+    bytes per row) gets none, and the kernel then loads W by pointers."""
+    w_ok = torch.zeros(3, 8, 6, dtype=torch.float64)  # rows of 48 bytes
+    w_odd = torch.zeros(3, 8, 5, dtype=torch.float64)  # rows of 40 bytes
+    assert linear._w_descriptor(w_ok, 16, 16)[1] is not None
+    assert linear._w_descriptor(w_odd, 16, 16)[1] is None
+    w_t = w_ok.transpose(1, 2)
+    w2, desc = linear._w_descriptor(w_t, 16, 16)
+    assert desc is not None and w2.is_contiguous() and torch.equal(w2, w_t)

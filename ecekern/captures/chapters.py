@@ -577,24 +577,37 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
     # the fastest tiles of the wider tuning runs (02_block_diagonal_gemm_history):
     # the strided loads at one and two stages, the register split and the batched
-    # dot at one
-    tiles = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4)]
-    kinds = [("strided", False, False), ("bdot", True, True), ("split", True, False)]
+    # dot at one; then the strided loads with the next K step prefetched (pre), the
+    # modes interleaved in registers for one store (st3) and W through a tensor
+    # descriptor (desc), the three that session 5's prototypes found to help
+    tiles = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4), (32, 32, 64, 4)]
+    # (name, split, bdot, prefetch, store3, w_desc), tiles, stages
+    kinds = [
+        (("strided", False, False, False, False, False), tiles[:3], (1, 2)),
+        (("bdot", True, True, False, False, False), tiles[1:2], (1,)),
+        (("split", True, False, False, False, False), tiles[1:2], (1,)),
+    ] + [
+        ((name, False, False, *flags), tiles[1:], (1,))
+        for name, flags in (
+            ("pre", (True, False, False)),
+            ("pre+st3", (True, True, False)),
+            ("pre+desc", (True, False, True)),
+            ("pre+st3+desc", (True, True, True)),
+        )
+    ]
     rows, best = [], {}
     precisions = [("float32", False), ("float32", True), ("bfloat16", False)]
     launches = [
-        (k, t, s)
-        for k in kinds
-        for t in (tiles[:2] if quick or k[0] != "strided" else tiles)
-        for s in ((1, 2) if k[0] == "strided" else (1,))
+        (k, t, s) for k, ts, ss in kinds for t in (ts[:2] if quick else ts) for s in ss
     ]
-    for (dt, tf32), ((name, split, bdot), tile, stages) in itertools.product(
+    for (dt, tf32), ((name, *flags), tile, stages) in itertools.product(
         precisions, launches
     ):
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
         x, w, b = x64.to(dtype), w64.to(dtype), b64.to(dtype)
-        cfg = linear.Config(*tile, stages, split, bdot)
+        split, bdot, prefetch, store3, w_desc = flags
+        cfg = linear.Config(*tile, stages, split, bdot, prefetch, store3, w_desc)
         saved = linear._config
         linear._config = lambda d, kind="fwd", cfg=cfg: cfg
         try:
