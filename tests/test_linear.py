@@ -209,8 +209,9 @@ def test_dense_path_copies_nothing_and_has_no_bmm(bias):
 
 def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     """The forward's launch on a GPU, per precision: chapter 2's launch sweep
-    (ee10e9b) picked the strided loads in every precision, with two pipelining
-    stages for the FMA dot of strict fp32 and for bf16."""
+    (56eb2a7) picked the strided loads in every precision, with two pipelining
+    stages for the FMA dot of strict fp32 and for bf16, and for TF32 the next K step
+    prefetched and the modes stored as one interleaved tile."""
     from ecekern import bench
 
     monkeypatch.setattr(linear, "INTERPRET", False)
@@ -223,7 +224,7 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
         bench.set_tf32(False)
     bf16 = linear._config(torch.bfloat16)
     assert strict == linear.Config(64, 32, 64, 4, 2, False, False)
-    assert (tf32.block_b, tf32.block_k, tf32.split, tf32.bdot) == (64, 32, False, False)
+    assert tf32 == linear.Config(32, 64, 64, 4, 1, False, False, True, True, False)
     assert bf16 == linear.Config(32, 64, 64, 4, 2, False, False)
 
 
