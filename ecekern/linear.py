@@ -44,14 +44,16 @@ threads to 32 different rows, one 32-byte sector per element; the best forward l
 (one of cos/sin, E = 47k, F = 192, n_ang = 3) took 326 us in bf16, 403 us in TF32 and
 1348 us in strict fp32. Features first (``_mode_of``), chapter 2's launch sweep
 (ee10e9b) measured 149, 224 and 932 us, against floors of 25 and 50 us (DRAM) and
-203 us (the FMA units of strict fp32). Cos and sin together at that shape the path
-now beats the einsum on the tensor cores (bf16 0.29 against 0.36 ms, TF32 0.44
-against 0.54 ms) and still loses to the dense GEMM there (0.13, 0.32 ms) and to both
-in strict fp32 (1.86 against 0.97 ms). Nsight Compute: 12 % occupancy (255
-registers per thread) and warps waiting on loads. A weight-stationary persistent
-kernel and one that reads x once per row block were no faster
-(``02_block_diagonal_gemm_history``), so what is left is the per-element cost of the
-stride-n_ang loads and stores and the registers, not the bytes. ``path="auto"`` does
+203 us (the FMA units of strict fp32). Copies without a dot (2026-11-30) showed the
+strided loads cost nothing (L1 serves the other modes) and the strided stores about
+twice a contiguous copy; the forward's switches PREFETCH (the next K step in flight),
+STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine) followed, and
+chapter 2's launch sweep at 56eb2a7 chose 143 us (bf16, strided), 206 us (TF32, with
+PREFETCH and STORE3) and 874 us (strict fp32). A prototype with all three at n_ang = 3
+took 147 us in TF32 (``02_block_diagonal_gemm_history``). The path beats the einsum on
+the tensor cores in most cells and loses to the dense GEMM in every cell, and to both
+in strict fp32. Nsight Compute: low occupancy and warps waiting on loads.
+``path="auto"`` does
 not pick it (``ecekern.linear.auto_path``).
 """
 
