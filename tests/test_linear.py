@@ -209,9 +209,10 @@ def test_dense_path_copies_nothing_and_has_no_bmm(bias):
 
 def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     """The forward's launch on a GPU, per precision: chapter 2's launch sweep
-    (56eb2a7) picked the strided loads in every precision, with two pipelining
-    stages for the FMA dot of strict fp32 and for bf16, and for TF32 the next K step
-    prefetched and the modes stored as one interleaved tile."""
+    picked the strided loads in every precision, at two pipelining stages: plain for
+    the FMA dot of strict fp32; for TF32 with the next K step prefetched, one
+    interleaved store and W through a tensor descriptor; for bf16 with the prefetch
+    and the descriptor."""
     from ecekern import bench
 
     monkeypatch.setattr(linear, "INTERPRET", False)
@@ -224,8 +225,8 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
         bench.set_tf32(False)
     bf16 = linear._config(torch.bfloat16)
     assert strict == linear.Config(64, 32, 64, 4, 2, False, False)
-    assert tf32 == linear.Config(32, 64, 64, 4, 1, False, False, True, True, False)
-    assert bf16 == linear.Config(32, 64, 64, 4, 2, False, False)
+    assert tf32 == linear.Config(64, 32, 64, 4, 2, False, False, True, True, True)
+    assert bf16 == linear.Config(64, 32, 64, 4, 2, False, False, True, False, True)
 
 
 def test_unsupported_n_ang_falls_back_loudly():
@@ -392,7 +393,7 @@ def test_forward_variants_match_einsum_with_all_gradients(
         cfg = linear.Config(16, 16, 16, 1, 1, False, False, prefetch, store3, w_desc)
         dtype, tol = torch.float64, 1e-12
     else:
-        cfg = linear.Config(32, 32, 64, 4, 1, False, False, prefetch, store3, w_desc)
+        cfg = linear.Config(32, 32, 64, 4, 2, False, False, prefetch, store3, w_desc)
         dtype, tol = torch.float32, 1e-5
     monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
     args64 = _args(B, K, O, n_ang)
@@ -407,7 +408,7 @@ def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
     descriptor)."""
     cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True)
     if DEV != "cpu":
-        cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4)
+        cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4, stages=2)
     monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
     g = G(5)
     x = torch.randn(3, 29, 21, generator=g, dtype=torch.float64).permute(1, 2, 0)

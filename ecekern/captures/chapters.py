@@ -579,7 +579,8 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     # the strided loads at one and two stages, the register split and the batched
     # dot at one; then the strided loads with the next K step prefetched (pre), the
     # modes interleaved in registers for one store (st3) and W through a tensor
-    # descriptor (desc), the three that session 5's prototypes found to help
+    # descriptor (desc), the three that session 5's prototypes found to help, at two
+    # stages (the descriptor loads of W are pipelined only with two or more)
     tiles = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4), (32, 32, 64, 4)]
     # (name, split, bdot, prefetch, store3, w_desc), tiles, stages
     kinds = [
@@ -587,7 +588,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         (("bdot", True, True, False, False, False), tiles[1:2], (1,)),
         (("split", True, False, False, False, False), tiles[1:2], (1,)),
     ] + [
-        ((name, False, False, *flags), tiles[1:], (1,))
+        ((name, False, False, *flags), tiles[1:], (2,))
         for name, flags in (
             ("pre", (True, False, False)),
             ("pre+st3", (True, True, False)),
