@@ -47,12 +47,12 @@ threads to 32 different rows, one 32-byte sector per element; the best forward l
 203 us (the FMA units of strict fp32). Copies without a dot (2026-11-30) showed the
 strided loads cost nothing (L1 serves the other modes) and the strided stores about
 twice a contiguous copy; the forward's switches PREFETCH (the next K step in flight),
-STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine) followed, and
-chapter 2's launch sweep at 56eb2a7 chose 143 us (bf16, strided), 206 us (TF32, with
-PREFETCH and STORE3) and 874 us (strict fp32). A prototype with all three at n_ang = 3
-took 147 us in TF32 (``02_block_diagonal_gemm_history``). The path beats the einsum on
-the tensor cores in most cells and loses to the dense GEMM in every cell, and to both
-in strict fp32. Nsight Compute: low occupancy and warps waiting on loads.
+STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine, pipelined at two
+stages) followed, and chapter 2's launch sweep at f02ded2 chose 115 us (bf16, PREFETCH
+and W_DESC), 162 us (TF32, all three) and 873 us (strict fp32, none). Cos and sin
+together the path beats the einsum in every tensor-core cell of the sweep, ties the
+dense GEMM in TF32 at 47k (within 1 %) and loses to it elsewhere, and loses to both in
+strict fp32. Nsight Compute: low occupancy and warps waiting on loads.
 ``path="auto"`` does
 not pick it (``ecekern.linear.auto_path``).
 """
