@@ -165,6 +165,20 @@ def _x_tiles(
 
 
 @triton.jit
+def _join_modes(y0, y1, y2, y3, N_ANG: tl.constexpr):
+    """Two to four ``[R, C]`` tiles as one ``[R, C, NA_PAD]`` tile, mode m at slot m
+    (slot 3 zero for n_ang = 3); ``tl.join`` puts the new axis inside one thread."""
+    if N_ANG == 2:
+        return tl.join(y0, y1)
+    else:
+        if N_ANG == 3:
+            y3 = tl.zeros_like(y0)
+        # join(join(y0, y2), join(y1, y3)) is [R, C, 2, 2] with mode 2 p + q at (p, q)
+        y4 = tl.join(tl.join(y0, y2), tl.join(y1, y3))
+        return tl.reshape(y4, [y0.shape[0], y0.shape[1], 4])
+
+
+@triton.jit
 def _mode_dot(
     xm,
     w_tile_ptrs,
@@ -232,6 +246,7 @@ def _eqlin_fwd_kernel(
     PREFETCH: tl.constexpr = False,
     STORE3: tl.constexpr = False,
     W_DESC: tl.constexpr = False,
+    JOIN: tl.constexpr = False,
 ):
     """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile; axis 2 of the grid picks cos/sin
     (bias only for cos: the launcher passes HAS_BIAS for the cos launch).
@@ -241,7 +256,9 @@ def _eqlin_fwd_kernel(
     STORE3: interleave the modes in registers and store one ``[BO, NA_PAD, BB]``
     tile, lanes along the modes (every byte of a warp's span written by one
     instruction; per-mode strided stores write each 32-byte sector in n_ang pieces).
-    W_DESC: W through a tensor descriptor (no per-element pointers in registers)."""
+    W_DESC: W through a tensor descriptor (no per-element pointers in registers).
+    JOIN (with STORE3, n_ang 2 to 4): build the interleaved tile with ``tl.join``,
+    which keeps one row's modes in one thread, instead of selecting and adding."""
     pid_o = tl.program_id(0)  # the O tiles of one row block run side by side:
     pid_b = tl.program_id(1)  # x is read from DRAM once, then from L2
     # int64 row offsets: B * row stride can pass 2^31
@@ -356,7 +373,24 @@ def _eqlin_fwd_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc0 += bias[None, :]
-    if SPLIT or STORE3:  # 3. interleave the modes in registers; one [BO, NA_PAD, BB]
+    if STORE3 and JOIN and N_ANG > 1 and N_ANG <= 4:  # 3. one [BO, BB, NA_PAD] store
+        ty = y_ptr.dtype.element_ty
+        y3 = _join_modes(
+            tl.trans(acc0).to(ty),
+            tl.trans(acc1).to(ty),
+            tl.trans(acc2).to(ty),
+            tl.trans(acc3).to(ty),
+            N_ANG,
+        )
+        y_ptrs = (
+            y_ptr
+            + offs_o[:, None, None] * stride_y_o
+            + offs_b[None, :, None] * stride_y_b
+            + offs_m[None, None, :] * stride_y_m
+        )
+        y_mask = mask_o[:, None, None] & mask_b[None, :, None] & mask_m[None, None, :]
+        tl.store(y_ptrs, y3, mask=y_mask)
+    elif SPLIT or STORE3:  # 3. interleave the modes in registers; one [BO, NA_PAD, BB]
         sel = offs_m[None, :, None]  # store
         y3 = tl.where(sel == 0, tl.trans(acc0)[:, None, :], 0.0)
         if N_ANG > 1:
@@ -791,6 +825,7 @@ class Config(NamedTuple):
     prefetch: bool = False  # forward: the next K step's x in flight (PREFETCH)
     store3: bool = False  # forward: modes interleaved in registers, one store
     w_desc: bool = False  # forward: W by the bulk copy engine (tensor descriptor)
+    join: bool = False  # forward, with store3: interleave by tl.join (n_ang 2-4)
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -857,6 +892,7 @@ def eqlin_fwd(
             PREFETCH=cfg.prefetch,
             STORE3=cfg.store3,
             W_DESC=desc is not None,
+            JOIN=cfg.join,
         )
     kernel[grid](
         x,

@@ -367,33 +367,45 @@ def test_both_forward_kernels_match_einsum(bdot, n_ang, monkeypatch):
 
 
 VARIANTS = [
-    (True, False, False),
-    (False, True, False),
-    (False, False, True),
-    (True, True, True),
+    (True, False, False, False),
+    (False, True, False, False),
+    (False, False, True, False),
+    (True, True, True, False),
+    (False, True, False, True),
+    (True, True, True, True),
 ]
 
 
 @pytest.mark.parametrize(
-    "prefetch, store3, w_desc", VARIANTS, ids=["pre", "st3", "desc", "pre+st3+desc"]
+    "prefetch, store3, w_desc, join",
+    VARIANTS,
+    ids=["pre", "st3", "desc", "pre+st3+desc", "st3+join", "pre+st3+desc+join"],
 )
 @pytest.mark.parametrize(
     "B, K, O, n_ang",
-    [(41, 37, 19, 3), (16, 16, 16, 1), (33, 48, 9, 5), (20, 64, 40, 2)],
-    ids=["awkward", "one-block", "n_ang5", "K-multiple"],
+    [
+        (41, 37, 19, 3),
+        (16, 16, 16, 1),
+        (33, 48, 9, 5),
+        (20, 64, 40, 2),
+        (24, 20, 33, 4),
+    ],
+    ids=["awkward", "one-block", "n_ang5", "K-multiple", "n_ang4"],
 )
 def test_forward_variants_match_einsum_with_all_gradients(
-    prefetch, store3, w_desc, B, K, O, n_ang, monkeypatch
+    prefetch, store3, w_desc, join, B, K, O, n_ang, monkeypatch
 ):
     """The forward's launch variants (the next K step prefetched, the modes stored
     as one interleaved tile, W through a tensor descriptor) compute the same map,
     forward and input backward (W transposed) alike: fp64 in the interpreter,
-    strict fp32 on the GPU. K = 37 also exercises the prefetch past the last step."""
+    strict fp32 on the GPU. K = 37 also exercises the prefetch past the last step;
+    the join store serves n_ang 2 to 4 (1 and 5 take the select-and-add one)."""
+    flags = (prefetch, store3, w_desc, join)
     if DEV == "cpu":
-        cfg = linear.Config(16, 16, 16, 1, 1, False, False, prefetch, store3, w_desc)
+        cfg = linear.Config(16, 16, 16, 1, 1, False, False, *flags)
         dtype, tol = torch.float64, 1e-12
     else:
-        cfg = linear.Config(32, 32, 64, 4, 2, False, False, prefetch, store3, w_desc)
+        cfg = linear.Config(32, 32, 64, 4, 2, False, False, *flags)
         dtype, tol = torch.float32, 1e-5
     monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
     args64 = _args(B, K, O, n_ang)
@@ -406,7 +418,7 @@ def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
     """m-major x (stride 1 along the rows' features, not the modes) and a W that is
     not contiguous: the variants follow the strides (W is copied for the
     descriptor)."""
-    cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True)
+    cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True, True)
     if DEV != "cpu":
         cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4, stages=2)
     monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)

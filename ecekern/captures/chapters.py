@@ -582,18 +582,20 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     # descriptor (desc), the three that session 5's prototypes found to help, at two
     # stages (the descriptor loads of W are pipelined only with two or more)
     tiles = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4), (32, 32, 64, 4)]
-    # (name, split, bdot, prefetch, store3, w_desc), tiles, stages
+    # (name, split, bdot, prefetch, store3, w_desc, join), tiles, stages; st3j: the
+    # single store built by tl.join
     kinds = [
-        (("strided", False, False, False, False, False), tiles[:3], (1, 2)),
-        (("bdot", True, True, False, False, False), tiles[1:2], (1,)),
-        (("split", True, False, False, False, False), tiles[1:2], (1,)),
+        (("strided", False, False, False, False, False, False), tiles[:3], (1, 2)),
+        (("bdot", True, True, False, False, False, False), tiles[1:2], (1,)),
+        (("split", True, False, False, False, False, False), tiles[1:2], (1,)),
     ] + [
         ((name, False, False, *flags), tiles[1:], (2,))
         for name, flags in (
-            ("pre", (True, False, False)),
-            ("pre+st3", (True, True, False)),
-            ("pre+desc", (True, False, True)),
-            ("pre+st3+desc", (True, True, True)),
+            ("pre", (True, False, False, False)),
+            ("pre+st3", (True, True, False, False)),
+            ("pre+desc", (True, False, True, False)),
+            ("pre+st3+desc", (True, True, True, False)),
+            ("pre+st3j+desc", (True, True, True, True)),
         )
     ]
     rows, best = [], {}
@@ -607,8 +609,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
         x, w, b = x64.to(dtype), w64.to(dtype), b64.to(dtype)
-        split, bdot, prefetch, store3, w_desc = flags
-        cfg = linear.Config(*tile, stages, split, bdot, prefetch, store3, w_desc)
+        cfg = linear.Config(*tile, stages, *flags)
         saved = linear._config
         linear._config = lambda d, kind="fwd", cfg=cfg: cfg
         try:
