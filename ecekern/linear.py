@@ -1003,6 +1003,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
         x_cos, x_sin, weight = ctx.saved_tensors
         dx_cos = dx_sin = dw = db = None
         w_t = weight.transpose(1, 2)  # (n_ang, K, O): the same kernel, strides swapped
+        if _config(weight.dtype, "fwd").w_desc:  # one contiguous copy for both calls
+            w_t = w_t.contiguous()
         if torch.is_grad_enabled():  # double backward: stay differentiable
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 dx_cos, dx_sin = _EquivariantLinearFn.apply(g_cos, g_sin, w_t, None)
