@@ -53,8 +53,7 @@ and W_DESC), 162 us (TF32, all three) and 873 us (strict fp32, none). Cos and si
 together the path beats the einsum in every tensor-core cell of the sweep, ties the
 dense GEMM in TF32 at 47k (within 1 %) and loses to it elsewhere, and loses to both in
 strict fp32. Nsight Compute: low occupancy and warps waiting on loads.
-``path="auto"`` does
-not pick it (``ecekern.linear.auto_path``).
+``path="auto"`` does not pick it (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
