@@ -211,8 +211,8 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     """The forward's launch on a GPU, per precision: chapter 2's launch sweep
     picked the strided loads in every precision, at two pipelining stages: plain for
     the FMA dot of strict fp32; for TF32 with the next K step prefetched, one
-    interleaved store and W through a tensor descriptor; for bf16 with the prefetch
-    and the descriptor."""
+    interleaved store built by ``tl.join`` and W through a tensor descriptor; for bf16
+    with the prefetch and the descriptor."""
     from ecekern import bench
 
     monkeypatch.setattr(linear, "INTERPRET", False)
@@ -225,7 +225,7 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
         bench.set_tf32(False)
     bf16 = linear._config(torch.bfloat16)
     assert strict == linear.Config(64, 32, 64, 4, 2, False, False)
-    assert tf32 == linear.Config(64, 32, 64, 4, 2, False, False, True, True, True)
+    assert tf32 == linear.Config(64, 32, 64, 4, 2, False, False, True, True, True, True)
     assert bf16 == linear.Config(64, 32, 64, 4, 2, False, False, True, False, True)
 
 
