@@ -193,11 +193,16 @@ def _mode_dot(
     W_DESC: tl.constexpr,
 ):
     """``acc + x[:, :, m] @ W[m]^T`` for one ``[BLOCK_K, BLOCK_B]`` tile of mode m and
-    one ``[BLOCK_K, BLOCK_O]`` tile of W, loaded by pointers or (W_DESC) by the bulk
-    copy engine from a tensor descriptor of W ``(n_ang, O, K)``, K contiguous."""
-    if W_DESC:
+    one ``[BLOCK_K, BLOCK_O]`` tile of W, loaded by pointers (W_DESC 0) or by the bulk
+    copy engine from a tensor descriptor: of W ``(n_ang, O, K)``, K contiguous
+    (W_DESC 1), or of the storage of W^T ``(n_ang, K, O)``, O contiguous (W_DESC 2:
+    the input backward passes W transposed, and this reads it without a copy)."""
+    if W_DESC == 1:
         wt = w_desc.load([m, o0, k0])  # [1, BLOCK_O, BLOCK_K], zeros past the edges
         wm = tl.trans(tl.reshape(wt, [wt.shape[1], wt.shape[2]]))
+    elif W_DESC == 2:
+        wt = w_desc.load([m, k0, o0])  # [1, BLOCK_K, BLOCK_O]
+        wm = tl.reshape(wt, [wt.shape[1], wt.shape[2]])
     else:
         wm = tl.load(w_tile_ptrs + m * stride_w_m, mask=w_mask, other=0.0)
     xm = tl.trans(xm)
@@ -843,18 +848,25 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
 
 
 def _w_descriptor(w: torch.Tensor, BO: int, BK: int):
-    """``(w, descriptor)`` for W ``(n_ang, O, K)`` with ``[1, BO, BK]`` blocks, W made
-    contiguous first (the input backward passes W transposed: a copy of the small
-    weight); ``(w, None)`` where the bulk copy engine cannot serve it: strides or base
-    not 16-byte aligned, or Triton without host-side descriptors. Either way the
-    kernel computes the same thing (pointers instead)."""
+    """``(w, descriptor, W_DESC)`` for W ``(n_ang, O, K)``: W_DESC 1, a descriptor of
+    W with ``[1, BO, BK]`` blocks (W made contiguous first if it is not); W_DESC 2
+    where W is the transpose of a contiguous tensor (the input backward's W^T), a
+    descriptor of that tensor with ``[1, BK, BO]`` blocks, no copy; ``(w, None, 0)``
+    where the bulk copy engine cannot serve it: strides or base not 16-byte aligned,
+    or Triton without host-side descriptors. Every way the kernel computes the same
+    thing (pointers for 0)."""
     if TensorDescriptor is None:
-        return w, None
-    w = w.contiguous()
+        return w, None, 0
     s = w.element_size()
+    w_t = w.transpose(1, 2)
+    if w_t.is_contiguous() and not w.is_contiguous():
+        if w_t.data_ptr() % 16 or (w_t.stride(1) * s) % 16 or (BO * s) % 16:
+            return w, None, 0
+        return w, TensorDescriptor.from_tensor(w_t, [1, BK, BO]), 2
+    w = w.contiguous()
     if w.data_ptr() % 16 or (w.stride(1) * s) % 16 or (BK * s) % 16:
-        return w, None
-    return w, TensorDescriptor.from_tensor(w, [1, BO, BK])
+        return w, None, 0
+    return w, TensorDescriptor.from_tensor(w, [1, BO, BK]), 1
 
 
 def eqlin_fwd(
@@ -884,13 +896,13 @@ def eqlin_fwd(
     if bdot:
         kernel, extra, wd = _eqlin_fwd_bdot_kernel, {}, ()
     else:
-        w, desc = _w_descriptor(w, BO, BK) if cfg.w_desc else (w, None)
+        w, desc, w_mode = _w_descriptor(w, BO, BK) if cfg.w_desc else (w, None, 0)
         kernel, wd = _eqlin_fwd_kernel, (desc if desc is not None else w,)
         extra = dict(
             SPLIT=split,
             PREFETCH=cfg.prefetch,
             STORE3=cfg.store3,
-            W_DESC=desc is not None,
+            W_DESC=w_mode,
             JOIN=cfg.join,
         )
     kernel[grid](
@@ -1002,8 +1014,6 @@ class _EquivariantLinearFn(torch.autograd.Function):
         x_cos, x_sin, weight = ctx.saved_tensors
         dx_cos = dx_sin = dw = db = None
         w_t = weight.transpose(1, 2)  # (n_ang, K, O): the same kernel, strides swapped
-        if _config(weight.dtype, "fwd").w_desc:  # one contiguous copy for both calls
-            w_t = w_t.contiguous()
         if torch.is_grad_enabled():  # double backward: stay differentiable
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 dx_cos, dx_sin = _EquivariantLinearFn.apply(g_cos, g_sin, w_t, None)

@@ -436,11 +436,17 @@ def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
 @pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
 def test_w_descriptor_only_where_the_copy_engine_can_serve():
     """A tensor descriptor needs 16-byte aligned strides: W of an odd K in fp64 (8 K
-    bytes per row) gets none, and the kernel then loads W by pointers."""
+    bytes per row) gets none, and the kernel then loads W by pointers. W transposed
+    (the input backward's) is read through a descriptor of its storage, not copied."""
     w_ok = torch.zeros(3, 8, 6, dtype=torch.float64)  # rows of 48 bytes
     w_odd = torch.zeros(3, 8, 5, dtype=torch.float64)  # rows of 40 bytes
-    assert linear._w_descriptor(w_ok, 16, 16)[1] is not None
-    assert linear._w_descriptor(w_odd, 16, 16)[1] is None
+    assert linear._w_descriptor(w_ok, 16, 16)[1:] != (None, 0)
+    assert linear._w_descriptor(w_ok, 16, 16)[2] == 1
+    assert linear._w_descriptor(w_odd, 16, 16)[1:] == (None, 0)
     w_t = w_ok.transpose(1, 2)
-    w2, desc = linear._w_descriptor(w_t, 16, 16)
-    assert desc is not None and w2.is_contiguous() and torch.equal(w2, w_t)
+    w2, desc, mode = linear._w_descriptor(w_t, 16, 16)
+    assert desc is not None and mode == 2 and w2 is w_t
+    assert linear._w_descriptor(w_odd.transpose(1, 2), 16, 16)[1:] == (None, 0)
+    w_any = torch.zeros(8, 3, 6, dtype=torch.float64).transpose(0, 1)  # neither
+    w3, desc, mode = linear._w_descriptor(w_any, 16, 16)
+    assert mode == 1 and w3.is_contiguous() and torch.equal(w3, w_any)
