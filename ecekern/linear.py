@@ -48,12 +48,15 @@ threads to 32 different rows, one 32-byte sector per element; the best forward l
 strided loads cost nothing (L1 serves the other modes) and the strided stores about
 twice a contiguous copy; the forward's switches PREFETCH (the next K step in flight),
 STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine, pipelined at two
-stages) followed, and chapter 2's launch sweep at f02ded2 chose 115 us (bf16, PREFETCH
-and W_DESC), 162 us (TF32, all three) and 873 us (strict fp32, none). Cos and sin
-together the path beats the einsum in every tensor-core cell of the sweep, ties the
-dense GEMM in TF32 at 47k (within 1 %) and loses to it elsewhere, and loses to both in
-strict fp32. Nsight Compute: low occupancy and warps waiting on loads.
-``path="auto"`` does not pick it (``ecekern.linear.auto_path``).
+stages) followed, then JOIN (the interleaved tile built by ``tl.join``); chapter 2's
+launch sweep at c2b3968 chose 118 us (bf16, PREFETCH and W_DESC), 144 us (TF32, all
+four) and 874 us (strict fp32, none). Cos and sin together the path beats the einsum
+in every tensor-core cell of the sweep and the dense GEMM in TF32 at n_ang = 3 (by 11
+% at 47k and 10 % at 365k), ties or loses to it elsewhere, and loses to both in strict
+fp32. Nsight Compute: low occupancy and warps waiting on loads; Gluon prototypes that
+keep W in shared memory were 2x slower (chapter 2). ``path="auto"`` does not pick it:
+the force step, backward included, is faster with the dense GEMM
+(``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -1089,7 +1092,10 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: against 0.41 / 0.54 / 0.76 / 1.03 ms at n_ang = 2..5; bf16: 0.08 / 0.13 / 0.19 /
 #: 0.28 against 0.23 / 0.36 / 0.49 / 0.66 ms) and lost or tied in strict fp32, where
 #: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
-#: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell. Not
+#: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell then; at
+#: c2b3968 its TF32 forward beats the dense GEMM at n_ang = 3 (0.283 against 0.318 ms)
+#: but the TF32 force step of 4096 atoms is slower with it (205 against 166 ms; its
+#: weight gradient is a separate reduction), so it stays an explicit choice. Not
 #: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device
 #: but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
