@@ -1094,8 +1094,9 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
 #: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell then; at
 #: c2b3968 its TF32 forward beats the dense GEMM at n_ang = 3 (0.283 against 0.318 ms)
-#: but the TF32 force step of 4096 atoms is slower with it (205 against 166 ms; its
-#: weight gradient is a separate reduction), so it stays an explicit choice. Not
+#: but the TF32 force step of 4096 atoms is slower with it (213 against 166 ms at
+#: b0bf745; its weight gradient is a separate reduction), so it stays an explicit
+#: choice. Not
 #: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device
 #: but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
