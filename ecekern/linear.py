@@ -199,7 +199,10 @@ def _mode_dot(
     one ``[BLOCK_K, BLOCK_O]`` tile of W, loaded by pointers (W_DESC 0) or by the bulk
     copy engine from a tensor descriptor: of W ``(n_ang, O, K)``, K contiguous
     (W_DESC 1), or of the storage of W^T ``(n_ang, K, O)``, O contiguous (W_DESC 2:
-    the input backward passes W transposed, and this reads it without a copy)."""
+    the input backward passes W transposed, and this reads it without a copy). Mode 2
+    is free in 16-bit types; TF32's wgmma wants W's tile K-major, so there Triton
+    turns it around through shared memory (offline sm_90 TTGIR: three more
+    ``local_load`` per K step than mode 1)."""
     if W_DESC == 1:
         wt = w_desc.load([m, o0, k0])  # [1, BLOCK_O, BLOCK_K], zeros past the edges
         wm = tl.trans(tl.reshape(wt, [wt.shape[1], wt.shape[2]]))
