@@ -434,6 +434,33 @@ def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
 
 
 @pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
+def test_input_backward_reads_w_transposed_without_a_copy(monkeypatch):
+    """With W through a descriptor, the forward takes W's own descriptor (mode 1) and
+    the input backward one of W's storage read transposed (mode 2), the same weight
+    memory both times (no contiguous W^T is made); the gradients match the einsum."""
+    cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True, True)
+    if DEV != "cpu":
+        cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4, stages=2)
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
+    seen = []
+    real = linear._w_descriptor
+
+    def spy(w, BO, BK):
+        out = real(w, BO, BK)
+        seen.append((out[2], w.data_ptr()))
+        return out
+
+    monkeypatch.setattr(linear, "_w_descriptor", spy)
+    dtype, tol = (torch.float64, 1e-12) if DEV == "cpu" else (torch.float32, 1e-5)
+    args64 = _args(24, 32, 48, 3)
+    args = [t.detach().to(dtype).requires_grad_() for t in args64]
+    for got, ref in zip(_run("triton", args), _run("einsum", args64), strict=True):
+        assert rel_err(got, ref) < tol
+    assert {mode for mode, _ in seen} == {1, 2}
+    assert {ptr for _, ptr in seen} == {args[2].data_ptr()}
+
+
+@pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
 def test_w_descriptor_only_where_the_copy_engine_can_serve():
     """A tensor descriptor needs 16-byte aligned strides: W of an odd K in fp64 (8 K
     bytes per row) gets none, and the kernel then loads W by pointers. W transposed
