@@ -255,18 +255,19 @@ def _eqlin_fwd_kernel(
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     STORE3: tl.constexpr = False,
-    W_DESC: tl.constexpr = False,
+    W_DESC: tl.constexpr = 0,
     JOIN: tl.constexpr = False,
 ):
-    """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile; axis 2 of the grid picks cos/sin
-    (bias only for cos: the launcher passes HAS_BIAS for the cos launch).
+    """One ``[BLOCK_B, BLOCK_O, n_ang]`` output tile of one of cos and sin: each is its
+    own launch (bias only for cos: the launcher passes HAS_BIAS for the cos launch).
 
     PREFETCH: load the tiles of the next K step before the dots of this one (a
     register double buffer: the loads are in flight while the tensor cores work).
     STORE3: interleave the modes in registers and store one ``[BO, NA_PAD, BB]``
     tile, lanes along the modes (every byte of a warp's span written by one
     instruction; per-mode strided stores write each 32-byte sector in n_ang pieces).
-    W_DESC: W through a tensor descriptor (no per-element pointers in registers).
+    W_DESC: W through a tensor descriptor (no per-element pointers in registers): 0
+    pointers, 1 W's descriptor, 2 a descriptor of W^T's storage (``_mode_dot``).
     JOIN (with STORE3, n_ang 2 to 4): build the interleaved tile with ``tl.join``,
     which keeps one row's modes in one thread, instead of selecting and adding."""
     pid_o = tl.program_id(0)  # the O tiles of one row block run side by side:

@@ -141,7 +141,7 @@ def linear_layouts(block=(16, 32, 64), num_warps: int = 4) -> list[dict]:
     const = dict(
         N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=BB, BLOCK_K=BK, BLOCK_O=BO,
         PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32, SPLIT=False,
-        PREFETCH=False, STORE3=False, W_DESC=False,
+        PREFETCH=False, STORE3=False, W_DESC=0,
         stride_x_m=1, stride_y_m=1, stride_w_k=1,
     )  # fmt: skip
     return memory_layouts(linear._eqlin_fwd_kernel, types, const, num_warps)
