@@ -202,7 +202,7 @@ def _mode_dot(
     the input backward passes W transposed, and this reads it without a copy). Mode 2
     is free in 16-bit types; TF32's wgmma wants W's tile K-major, so there Triton
     turns it around through shared memory (offline sm_90 TTGIR: three more
-    ``local_load`` per K step than mode 1)."""
+    ``local_load`` per K step than mode 1), and TF32 launches copy W^T instead."""
     if W_DESC == 1:
         wt = w_desc.load([m, o0, k0])  # [1, BLOCK_O, BLOCK_K], zeros past the edges
         wm = tl.trans(tl.reshape(wt, [wt.shape[1], wt.shape[2]]))
@@ -856,19 +856,23 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
-def _w_descriptor(w: torch.Tensor, BO: int, BK: int):
+def _w_descriptor(w: torch.Tensor, BO: int, BK: int, transposed: bool = True):
     """``(w, descriptor, W_DESC)`` for W ``(n_ang, O, K)``: W_DESC 1, a descriptor of
     W with ``[1, BO, BK]`` blocks (W made contiguous first if it is not); W_DESC 2
-    where W is the transpose of a contiguous tensor (the input backward's W^T), a
-    descriptor of that tensor with ``[1, BK, BO]`` blocks, no copy; ``(w, None, 0)``
-    where the bulk copy engine cannot serve it: strides or base not 16-byte aligned,
-    or Triton without host-side descriptors. Every way the kernel computes the same
-    thing (pointers for 0)."""
+    where W is the transpose of a contiguous tensor (the input backward's W^T) and
+    ``transposed`` allows it, a descriptor of that tensor with ``[1, BK, BO]`` blocks,
+    no copy; ``(w, None, 0)`` where the bulk copy engine cannot serve it: strides or
+    base not 16-byte aligned, or Triton without host-side descriptors. Every way the
+    kernel computes the same thing (pointers for 0). The launcher passes
+    ``transposed=False`` for TF32: its wgmma wants W's tile K-major, Triton turns a
+    mode-2 tile around in shared memory in every program, and that cost 58 % more
+    time than copying W^T once (history session7_tx_144d813.csv: 231.6 against
+    146.6 us at 47k rows, 442 KB copied)."""
     if TensorDescriptor is None:
         return w, None, 0
     s = w.element_size()
     w_t = w.transpose(1, 2)
-    if w_t.is_contiguous() and not w.is_contiguous():
+    if transposed and w_t.is_contiguous() and not w.is_contiguous():
         if w_t.data_ptr() % 16 or (w_t.stride(1) * s) % 16 or (BO * s) % 16:
             return w, None, 0
         return w, TensorDescriptor.from_tensor(w_t, [1, BK, BO]), 2
@@ -905,7 +909,11 @@ def eqlin_fwd(
     if bdot:
         kernel, extra, wd = _eqlin_fwd_bdot_kernel, {}, ()
     else:
-        w, desc, w_mode = _w_descriptor(w, BO, BK) if cfg.w_desc else (w, None, 0)
+        w, desc, w_mode = (
+            _w_descriptor(w, BO, BK, transposed=precision != "tf32")
+            if cfg.w_desc
+            else (w, None, 0)
+        )
         kernel, wd = _eqlin_fwd_kernel, (desc if desc is not None else w,)
         extra = dict(
             SPLIT=split,

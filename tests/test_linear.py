@@ -448,7 +448,8 @@ def test_forward_variants_on_non_contiguous_inputs(monkeypatch):
 def test_input_backward_reads_w_transposed_without_a_copy(monkeypatch):
     """With W through a descriptor, the forward takes W's own descriptor (mode 1) and
     the input backward one of W's storage read transposed (mode 2), the same weight
-    memory both times (no contiguous W^T is made); the gradients match the einsum."""
+    memory both times (no contiguous W^T is made); the gradients match the einsum.
+    (Outside TF32: TF32 launches copy W^T, ``test_w_descriptor_only_where...``.)"""
     cfg = linear.Config(16, 16, 16, 1, 1, False, False, True, True, True, True)
     if DEV != "cpu":
         cfg = cfg._replace(block_b=32, block_k=32, block_o=64, warps=4, stages=2)
@@ -456,8 +457,8 @@ def test_input_backward_reads_w_transposed_without_a_copy(monkeypatch):
     seen = []
     real = linear._w_descriptor
 
-    def spy(w, BO, BK):
-        out = real(w, BO, BK)
+    def spy(w, BO, BK, transposed=True):
+        out = real(w, BO, BK, transposed)
         seen.append((out[2], w.data_ptr()))
         return out
 
@@ -469,6 +470,37 @@ def test_input_backward_reads_w_transposed_without_a_copy(monkeypatch):
         assert rel_err(got, ref) < tol
     assert {mode for mode, _ in seen} == {1, 2}
     assert {ptr for _, ptr in seen} == {args[2].data_ptr()}
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_input_backward_reads_a_copy_of_w_transposed(monkeypatch):
+    """TF32 launches take W's descriptor both ways: the input backward reads a
+    contiguous copy of W^T (mode 1), because a mode-2 tile costs TF32 a turn through
+    shared memory in every program; gradients at the TF32 tolerance."""
+    seen = []
+    real = linear._w_descriptor
+
+    def spy(w, BO, BK, transposed=True):
+        out = real(w, BO, BK, transposed)
+        seen.append((out[2], out[0].data_ptr()))
+        return out
+
+    monkeypatch.setattr(linear, "_w_descriptor", spy)
+    from ecekern.bench import set_tf32
+
+    args64 = _args(300, 64, 96, 3)
+    args = [t.detach().float().requires_grad_() for t in args64]
+    before = torch.backends.cuda.matmul.allow_tf32
+    set_tf32(True)
+    try:
+        got = _run("triton", args)
+    finally:
+        set_tf32(before)
+    for g, ref in zip(got, _run("einsum", args64), strict=True):
+        assert rel_err(g, ref) < 3e-3
+    assert {mode for mode, _ in seen} == {1}
+    ptrs = {ptr for _, ptr in seen}
+    assert args[2].data_ptr() in ptrs and len(ptrs) == 2
 
 
 @pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
@@ -485,6 +517,9 @@ def test_w_descriptor_only_where_the_copy_engine_can_serve():
     w2, desc, mode = linear._w_descriptor(w_t, 16, 16)
     assert desc is not None and mode == 2 and w2 is w_t
     assert linear._w_descriptor(w_odd.transpose(1, 2), 16, 16)[1:] == (None, 0)
+    # TF32's launches ask for no transposed read: W^T is copied, then mode 1
+    w4, desc, mode = linear._w_descriptor(w_t, 16, 16, transposed=False)
+    assert mode == 1 and w4.is_contiguous() and torch.equal(w4, w_t)
     w_any = torch.zeros(8, 3, 6, dtype=torch.float64).transpose(0, 1)  # neither
     w3, desc, mode = linear._w_descriptor(w_any, 16, 16)
     assert mode == 1 and w3.is_contiguous() and torch.equal(w3, w_any)
