@@ -1041,6 +1041,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
                     "bom,bkm->mok", g_sin, x_sin
                 )
         else:
+            if _precision(weight.dtype)[0] == "tf32" and any(ctx.needs_input_grad[:2]):
+                w_t = w_t.contiguous()  # one copy for cos and sin (``_w_descriptor``)
             if ctx.needs_input_grad[0]:
                 dx_cos = eqlin_fwd(g_cos, w_t, None)
             if ctx.needs_input_grad[1]:

@@ -475,14 +475,15 @@ def test_input_backward_reads_w_transposed_without_a_copy(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_tf32_input_backward_reads_a_copy_of_w_transposed(monkeypatch):
     """TF32 launches take W's descriptor both ways: the input backward reads a
-    contiguous copy of W^T (mode 1), because a mode-2 tile costs TF32 a turn through
-    shared memory in every program; gradients at the TF32 tolerance."""
+    contiguous copy of W^T (mode 1), one for cos and sin, because a mode-2 tile costs
+    TF32 a turn through shared memory in every program; gradients at the TF32
+    tolerance."""
     seen = []
     real = linear._w_descriptor
 
     def spy(w, BO, BK, transposed=True):
         out = real(w, BO, BK, transposed)
-        seen.append((out[2], out[0].data_ptr()))
+        seen.append((out[2], out[0].data_ptr(), out[0]))  # kept alive: no reuse
         return out
 
     monkeypatch.setattr(linear, "_w_descriptor", spy)
@@ -498,9 +499,9 @@ def test_gpu_tf32_input_backward_reads_a_copy_of_w_transposed(monkeypatch):
         set_tf32(before)
     for g, ref in zip(got, _run("einsum", args64), strict=True):
         assert rel_err(g, ref) < 3e-3
-    assert {mode for mode, _ in seen} == {1}
-    ptrs = {ptr for _, ptr in seen}
-    assert args[2].data_ptr() in ptrs and len(ptrs) == 2
+    assert {mode for mode, _, _ in seen} == {1}
+    ptrs = {ptr for _, ptr, _ in seen}  # W for the forwards, one W^T for both dx
+    assert args[2].data_ptr() in ptrs and len(ptrs) == 2 and len(seen) == 4
 
 
 @pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
