@@ -54,7 +54,10 @@ four) and 874 us (strict fp32, none). Cos and sin together the path beats the ei
 in every tensor-core cell of the sweep and the dense GEMM in TF32 at n_ang = 3 (by 11
 % at 47k and 10 % at 365k), ties or loses to it elsewhere, and loses to both in strict
 fp32. Nsight Compute: low occupancy and warps waiting on loads; Gluon prototypes that
-keep W in shared memory were 2x slower (chapter 2). ``path="auto"`` does not pick it:
+keep W in shared memory, and a Triton one that loads x by TMA, were 2x slower (chapter
+2). The input gradient reads W^T in place in 16-bit types and from one contiguous copy
+per call in TF32, where the in-place read cost 58 % (2026-11-30, one-run A/B); the
+16-bit weight gradient runs at 32/64/64. ``path="auto"`` does not pick it:
 the force step, backward included, is faster with the dense GEMM
 (``ecekern.linear.auto_path``).
 """
@@ -1112,8 +1115,8 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
 #: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell then; at
 #: c2b3968 its TF32 forward beats the dense GEMM at n_ang = 3 (0.283 against 0.318 ms)
-#: but the TF32 force step of 4096 atoms is slower with it (213 against 166 ms at
-#: b0bf745; its weight gradient is a separate reduction), so it stays an explicit
+#: but the TF32 force step of 4096 atoms is slower with it (201 against 166 ms at
+#: 3ed37fa; its weight gradient is a separate reduction), so it stays an explicit
 #: choice. Not
 #: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device
 #: but CUDA.
