@@ -54,12 +54,13 @@ four) and 874 us (strict fp32, none). Cos and sin together the path beats the ei
 in every tensor-core cell of the sweep and the dense GEMM in TF32 at n_ang = 3 (by 11
 % at 47k and 10 % at 365k), ties or loses to it elsewhere, and loses to both in strict
 fp32. Nsight Compute: low occupancy and warps waiting on loads; Gluon prototypes that
-keep W in shared memory, and a Triton one that loads x by TMA, were 2x slower (chapter
-2). The input gradient reads W^T in place in 16-bit types and from one contiguous copy
-per call in TF32, where the in-place read cost 58 % (2026-11-30, one-run A/B); the
-16-bit weight gradient runs at 32/64/64. ``path="auto"`` does not pick it:
-the force step, backward included, is faster with the dense GEMM
-(``ecekern.linear.auto_path``).
+keep W in shared memory, and a Triton one that loads x by TMA, were 2x slower; a Gluon
+one with the A operand in registers and one interleaved store runs at about this
+kernel's speed (chapter 2, not in the library). The input gradient reads W^T in place
+in 16-bit types and from one contiguous copy per call in TF32, where the in-place read
+cost 58 % (2026-11-30, one-run A/B); the 16-bit weight gradient runs at 32/64/64.
+``path="auto"`` does not pick it: the force step, backward included, is faster with
+the dense GEMM (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
