@@ -860,6 +860,14 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
+def _reads_w_t_in_place(dtype: torch.dtype) -> bool:
+    """Whether the input backward reads W^T where it lies (``_w_descriptor``'s mode
+    2) or from a contiguous copy: a copy in TF32 (see ``_w_descriptor``). The one rule
+    for the launcher and for the backward, which makes the copy once for cos and
+    sin."""
+    return _precision(dtype)[0] != "tf32"
+
+
 def _w_descriptor(w: torch.Tensor, BO: int, BK: int, transposed: bool = True):
     """``(w, descriptor, W_DESC)`` for W ``(n_ang, O, K)``: W_DESC 1, a descriptor of
     W with ``[1, BO, BK]`` blocks (W made contiguous first if it is not); W_DESC 2
@@ -914,7 +922,7 @@ def eqlin_fwd(
         kernel, extra, wd = _eqlin_fwd_bdot_kernel, {}, ()
     else:
         w, desc, w_mode = (
-            _w_descriptor(w, BO, BK, transposed=precision != "tf32")
+            _w_descriptor(w, BO, BK, transposed=_reads_w_t_in_place(x.dtype))
             if cfg.w_desc
             else (w, None, 0)
         )
@@ -1045,8 +1053,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
                     "bom,bkm->mok", g_sin, x_sin
                 )
         else:
-            if _precision(weight.dtype)[0] == "tf32" and any(ctx.needs_input_grad[:2]):
-                w_t = w_t.contiguous()  # one copy for cos and sin (``_w_descriptor``)
+            if not _reads_w_t_in_place(weight.dtype) and any(ctx.needs_input_grad[:2]):
+                w_t = w_t.contiguous()  # one copy, shared by cos and sin
             if ctx.needs_input_grad[0]:
                 dx_cos = eqlin_fwd(g_cos, w_t, None)
             if ctx.needs_input_grad[1]:

@@ -219,8 +219,11 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     try:
         bench.set_tf32(False)
         strict = linear._config(torch.float32)
+        assert linear._reads_w_t_in_place(torch.float32)  # strict fp32: in place
         bench.set_tf32(True)
         tf32 = linear._config(torch.float32)
+        assert not linear._reads_w_t_in_place(torch.float32)  # TF32: a W^T copy
+        assert linear._reads_w_t_in_place(torch.bfloat16)
     finally:
         bench.set_tf32(False)
     bf16 = linear._config(torch.bfloat16)
