@@ -86,7 +86,7 @@ except ImportError:  # no Triton wheels on this platform: reference paths only
     TensorDescriptor = None
 from torch import nn
 
-from . import options, reference
+from . import linear_fma, options, reference
 
 __all__ = ["EquivariantLinear", "equivariant_linear"]
 
@@ -841,6 +841,7 @@ class Config(NamedTuple):
     store3: bool = False  # forward: modes interleaved in registers, one store
     w_desc: bool = False  # forward: W by the bulk copy engine (tensor descriptor)
     join: bool = False  # forward, with store3: interleave by tl.join (n_ang 2-4)
+    fma: str = ""  # strict-fp32 forward: the Gluon FMA kernel's register tile
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -851,13 +852,22 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
         return Config(32, 16, 32, 4, STAGES, SPLIT)
     if kind == "fwd":  # the fastest forward launches of chapter 2's launch sweep
         if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-            return Config(64, 32, 64, 4, 2, SPLIT)  # 874 us (FMA dot)
+            return FP32_FMA  # the Gluon kernel where it serves, else FP32_TRITON
         if dtype == torch.float32:  # TF32: prefetch, one joined store, W by descriptor
             return Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True)
         return Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True)  # bf16
     if dtype in (torch.bfloat16, torch.float16):  # weight gradient: 349 us, not 587
         return Config(32, 64, 64, 4, 2, SPLIT)  # (history session6_bwd_w_1099ca2.csv)
     return Config(64, 32, 64, 4, STAGES, SPLIT)
+
+
+#: Strict fp32: the Gluon kernel of :mod:`ecekern.linear_fma` (64 x 64 programs, a
+#: 4 x 8 register tile per thread and mode) where it serves the call (n_ang = 3, rows
+#: of x contiguous), else the Triton kernel at its fastest launch of chapter 2's
+#: launch sweep (874 us at c2b3968, against 378 us for a Gluon prototype in session
+#: 8's first run, history session8_fma_*.csv).
+FP32_FMA = Config(64, 16, 64, 4, 1, False, fma="4x8")
+FP32_TRITON = Config(64, 32, 64, 4, 2, SPLIT)
 
 
 def _reads_w_t_in_place(dtype: torch.dtype) -> bool:
@@ -910,6 +920,10 @@ def eqlin_fwd(
             y[:, :, 0] += bias
         return y
     cfg = _config(x.dtype, "fwd")
+    if cfg.fma:  # strict fp32: the Gluon FMA kernel, where it serves the call
+        if linear_fma.fma_reason(x, w) is None:
+            return linear_fma.fma_fwd(x, w, bias, cfg.fma)
+        cfg = FP32_TRITON
     BB, BK, BO, warps, stages, split, bdot = cfg[:7]
     # the launches are chosen at n_ang = 3; the accumulators and x tiles grow with
     # n_ang, so fewer rows per program keep the registers of one program about the

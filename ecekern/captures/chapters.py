@@ -567,7 +567,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     n_ang = 3 in fp32, TF32 and bf16: each timed and checked against float64 (one of
     cos/sin). The fastest per precision is kept for the rest of the capture (by
     replacing ``linear._config``) and returned, by dtype label."""
-    from .. import linear, reference
+    from .. import linear, linear_fma, reference
 
     E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -603,13 +603,28 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     launches = [
         (k, t, s) for k, ts, ss in kinds for t in (ts[:2] if quick else ts) for s in ss
     ]
-    for (dt, tf32), ((name, *flags), tile, stages) in itertools.product(
-        precisions, launches
-    ):
+    runs = [
+        (dt, tf32, name, tile, stages, linear.Config(*tile, stages, *flags))
+        for (dt, tf32), ((name, *flags), tile, stages) in itertools.product(
+            precisions, launches
+        )
+    ]
+    # strict fp32 only: the Gluon kernel on the FMA units, each register tile
+    runs += [
+        (
+            "float32",
+            False,
+            f"fma{t}",
+            (64, 16, 64, 4),
+            1,
+            linear.FP32_FMA._replace(fma=t),
+        )
+        for t in linear_fma.TILES
+    ]
+    for dt, tf32, name, tile, stages, cfg in runs:
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
         x, w, b = x64.to(dtype), w64.to(dtype), b64.to(dtype)
-        cfg = linear.Config(*tile, stages, *flags)
         saved = linear._config
         linear._config = lambda d, kind="fwd", cfg=cfg: cfg
         try:
