@@ -1044,6 +1044,31 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------
+def _grad_node(t: torch.Tensor):
+    """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or for a
+    leaf (a parameter) its ``AccumulateGrad`` node; None if t does not require grad."""
+    if not t.requires_grad:
+        return None
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _engine_uses(node) -> bool:
+    """Whether the running backward pass will execute ``node``: False when
+    ``torch.autograd.grad`` asks for other inputs only (forces ask for positions,
+    not weights), True for ``.backward()`` and wherever PyTorch cannot say.
+    ``ctx.needs_input_grad`` only says whether an input requires grad."""
+    will = getattr(torch._C, "_will_engine_execute_node", None)
+    if node is None or will is None:
+        return node is not None
+    try:
+        return bool(will(node))
+    except RuntimeError:  # not inside a backward pass of the autograd engine
+        return True
+
+
 class _EquivariantLinearFn(torch.autograd.Function):
     """Forward and first derivatives by the kernels; the backward is itself built from
     this Function (dx) and an einsum (dW), so it is differentiable again."""
@@ -1052,17 +1077,21 @@ class _EquivariantLinearFn(torch.autograd.Function):
     def forward(ctx, x_cos, x_sin, weight, bias):
         ctx.save_for_backward(x_cos, x_sin, weight)
         ctx.has_bias = bias is not None
+        ctx.w_node = _grad_node(weight)
         return eqlin_fwd(x_cos, weight, bias), eqlin_fwd(x_sin, weight, None)
 
     @staticmethod
     def backward(ctx, g_cos, g_sin):
         x_cos, x_sin, weight = ctx.saved_tensors
         dx_cos = dx_sin = dw = db = None
+        # a force step asks autograd for d(energy)/d(positions) only: the weight
+        # gradient, the costliest kernel of the backward, is then not computed
+        want_w = ctx.needs_input_grad[2] and _engine_uses(ctx.w_node)
         w_t = weight.transpose(1, 2)  # (n_ang, K, O): the same kernel, strides swapped
         if torch.is_grad_enabled():  # double backward: stay differentiable
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 dx_cos, dx_sin = _EquivariantLinearFn.apply(g_cos, g_sin, w_t, None)
-            if ctx.needs_input_grad[2]:
+            if want_w:
                 dw = torch.einsum("bom,bkm->mok", g_cos, x_cos) + torch.einsum(
                     "bom,bkm->mok", g_sin, x_sin
                 )
@@ -1073,7 +1102,7 @@ class _EquivariantLinearFn(torch.autograd.Function):
                 dx_cos = eqlin_fwd(g_cos, w_t, None)
             if ctx.needs_input_grad[1]:
                 dx_sin = eqlin_fwd(g_sin, w_t, None)
-            if ctx.needs_input_grad[2]:
+            if want_w:
                 dw = eqlin_bwd_w(g_cos, g_sin, x_cos, x_sin)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = g_cos[:, :, 0].sum(0)

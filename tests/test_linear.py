@@ -109,6 +109,32 @@ def test_frozen_weights_compute_only_input_gradients():
     assert xc.grad is not None and xs.grad is not None
 
 
+@pytest.mark.parametrize("leaf", [True, False], ids=["parameter", "derived-weight"])
+def test_weight_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
+    """Forces are ``torch.autograd.grad(energy, positions)``: the weights require
+    grad but nobody asks for theirs, and the weight-gradient kernel must not run;
+    ``.backward()`` and a ``grad`` that names the weights still get it, exactly."""
+    calls = []
+    real = linear.eqlin_bwd_w
+    monkeypatch.setattr(linear, "eqlin_bwd_w", lambda *a: calls.append(1) or real(*a))
+    xc, xs, w0, b = _args(23, 17, 19, 3)
+
+    def energy():
+        w = w0 if leaf else w0 * 1.0  # a weight built from a parameter: not a leaf
+        y = linear.equivariant_linear(xc, xs, w, b, "triton")
+        return (y[0] ** 2).sum() + (y[1] ** 2).sum()
+
+    (dx,) = torch.autograd.grad(energy(), [xc])
+    assert calls == [] and dx is not None
+    dx2, dw = torch.autograd.grad(energy(), [xc, w0])
+    assert calls == [1] and torch.equal(dx, dx2)
+    energy().backward()
+    assert calls == [1, 1] and torch.equal(w0.grad, dw)
+    y = reference.equivariant_linear(xc, xs, w0 if leaf else w0 * 1.0, b)
+    (dw_ref,) = torch.autograd.grad((y[0] ** 2).sum() + (y[1] ** 2).sum(), [w0])
+    assert rel_err(dw, dw_ref) < 1e-12
+
+
 def test_weight_gradient_is_deterministic():
     args = _args(70, 20, 18, 3)
     a = _run("triton", args)
