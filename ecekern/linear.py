@@ -861,12 +861,12 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
-#: Strict fp32: the Gluon kernel of :mod:`ecekern.linear_fma` (64 x 64 programs, a
-#: 4 x 8 register tile per thread and mode) where it serves the call (n_ang = 3, rows
+#: Strict fp32: the Gluon kernel of :mod:`ecekern.linear_fma` (64 x 64 programs, an
+#: 8 x 4 register tile per thread and mode) where it serves the call (n_ang = 3, rows
 #: of x contiguous), else the Triton kernel at its fastest launch of chapter 2's
-#: launch sweep (874 us at c2b3968, against 378 us for a Gluon prototype in session
-#: 8's first run, history session8_fma_*.csv).
-FP32_FMA = Config(64, 16, 64, 4, 1, False, fma="4x8")
+#: launch sweep (874 us at c2b3968, against 325 us for the Gluon kernel in session
+#: 8's run 3, history session8_fma2_*.csv; both one of cos/sin at E = 47k).
+FP32_FMA = Config(64, 16, 64, 4, 1, False, fma="8x4")
 FP32_TRITON = Config(64, 32, 64, 4, 2, SPLIT)
 
 
@@ -1078,7 +1078,10 @@ class _EquivariantLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_cos, x_sin, weight)
         ctx.has_bias = bias is not None
         ctx.w_node = _grad_node(weight)
-        return eqlin_fwd(x_cos, weight, bias), eqlin_fwd(x_sin, weight, None)
+        w = weight
+        if _config(x_cos.dtype).fma and linear_fma.fma_reason(x_cos, w) is None:
+            w = linear_fma.o_contiguous(w)  # the FMA kernel's W: one copy, cos and sin
+        return eqlin_fwd(x_cos, w, bias), eqlin_fwd(x_sin, w, None)
 
     @staticmethod
     def backward(ctx, g_cos, g_sin):

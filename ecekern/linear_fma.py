@@ -2,16 +2,18 @@
 
 ``y[b, o, m] = sum_k x[b, k, m] w[m, o, k] (+ bias[o] at m = 0)`` for ``x (B, K, 3)``
 with rows contiguous (``x.stride(1) == 3``, ``x.stride(2) == 1``), ``w (3, O, K)``
-with K or O contiguous, ``y (B, O, 3)`` contiguous; fp32 in, IEEE fp32 FMAs, fp32 out.
+read with O contiguous (the input backward's ``W^T`` as it lies; the forward's W
+through one transposed copy, 442 KB at K = O = 192), ``y (B, O, 3)`` contiguous;
+fp32 in, IEEE fp32 FMAs, fp32 out.
 
 Why a second kernel: in strict fp32 (TF32 off) the forward is arithmetic-bound
-(48 flop/byte at K = O = 192), and Triton's ``tl.dot`` on the FMA units gives each
-thread a thin slice of the output, so every FMA waits on a shared-memory load; the
-Triton kernel of :mod:`ecekern.linear` ran at 873 us (E = 47k, F = 192, one of cos/sin)
-where cuBLAS's batched GEMM behind the einsum takes 425 us. Gluon lets the kernel pick
-the accumulator's layout: each thread owns a ``TM x TN`` tile of every mode's output,
-and per input k reads TM values of x and TN of W (16-byte shared-memory loads,
-broadcast across the warp) for ``TM TN`` FMAs.
+(48 flop/byte at K = O = 192). The Triton kernel of :mod:`ecekern.linear` ran at
+873 us (E = 47k, F = 192, one of cos/sin) where cuBLAS's batched GEMM behind the
+einsum takes about 400 us; Nsight Compute found its warps waiting on shared memory
+(short scoreboard), and it spills at 255 registers. Gluon lets this kernel say where
+every value lives: each thread owns a ``TM x TN`` tile of every mode's output, and
+per input k reads TM values of x and TN of W (16-byte shared-memory loads, broadcast
+across the warp) for ``TM TN`` FMAs.
 
 One program: ``BB = 64`` rows by ``BO = 64`` outputs, all three modes, 4 warps. Per K
 step of 16 inputs:
@@ -20,10 +22,13 @@ step of 16 inputs:
    x 3 modes of one row (12 contiguous floats); the modes come apart in registers
    (``_modes``: splits and joins, no data leaves the thread);
 2. each mode is stored to shared memory transposed, ``[k][row]``, and W's
-   ``[k][o]`` tile beside it; W is read in place (K contiguous in the forward, O
-   contiguous in the input backward's ``W^T``), never copied;
+   ``[k][o]`` tile beside it (rows of W with O contiguous: 16-byte loads and stores);
 3. after one barrier every warp runs ``16 x 3`` rank-1 updates from shared memory
    (:func:`fma_dot`), while the next step's global loads are in flight.
+
+Launch: 8 x 4 tiles (lanes 4 along rows, 8 along outputs) and at most 168 registers
+per thread, so that three programs share an SM (ptxas spills 16 bytes); chapter 2's
+launch sweep times both tiles.
 
 The three accumulators leave through one store: the modes joined in registers and
 converted so that a warp writes 32 outputs x 3 modes, contiguous in y.
@@ -47,12 +52,15 @@ try:
 except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
     gluon = gl = None
 
-__all__ = ["fma_fwd", "fma_reason", "TILES"]
+__all__ = ["fma_fwd", "fma_reason", "o_contiguous", "TILES"]
 
 #: Register tiles (TM rows x TN outputs per thread and mode) and the thread layout
 #: that puts them on a 64 x 64 program: (TM, TN, lanes along rows).
-TILES = {"4x8": (4, 8, 8), "8x4": (8, 4, 4)}
+TILES = {"8x4": (8, 4, 4), "4x8": (4, 8, 8)}
 BLOCK_B, BLOCK_O, BLOCK_K, WARPS = 64, 64, 16, 4
+#: Registers per thread: three programs of 128 threads per SM (65536 registers).
+#: Session 8's run 3 (history session8_fma2_*.csv): 325 against 357 us uncapped.
+MAXNREG = 168
 
 
 # --------------------------------------------------------------------------------------
@@ -118,22 +126,17 @@ def _load_w(
     K,
     O,
     stride_wm,
-    stride_wo,
     stride_wk,
-    W_OCONTIG: gl.constexpr,
     BK: gl.constexpr,
     BO: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """W's three ``[BK, BO]`` tiles ``w[m, o0 + o, k0 + k]`` as ``[k, o]``, loaded
-    along whichever axis is contiguous (16-byte loads either way)."""
-    if W_OCONTIG:
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
-    else:
-        lay: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [num_warps, 1], [0, 1])
+    """W's three ``[BK, BO]`` tiles ``w[m, o0 + o, k0 + k]`` as ``[k, o]``, O
+    contiguous: a warp loads two rows of 64 outputs by 16-byte loads."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     k = gl.arange(0, BK, layout=gl.SliceLayout(1, lay))[:, None]
     o = gl.arange(0, BO, layout=gl.SliceLayout(0, lay))[None, :]
-    p = w_ptr + (o0 + o) * stride_wo + (k0 + k) * stride_wk
+    p = w_ptr + (o0 + o) + (k0 + k) * stride_wk
     mask = (o0 + o < O) & (k0 + k < K)
     w0 = gl.load(p, mask=mask, other=0.0)
     w1 = gl.load(p + stride_wm, mask=mask, other=0.0)
@@ -193,11 +196,9 @@ def _eqlin_fwd_fma_kernel(
     O,
     stride_xb,
     stride_wm,
-    stride_wo,
     stride_wk,
     stride_yb,
     HAS_BIAS: gl.constexpr,
-    W_OCONTIG: gl.constexpr,
     TM: gl.constexpr,
     TN: gl.constexpr,
     TR: gl.constexpr,
@@ -254,9 +255,7 @@ def _eqlin_fwd_fma_kernel(
         K,
         O,
         stride_wm,
-        stride_wo,
         stride_wk,
-        W_OCONTIG,
         BK,
         BO,
         num_warps,
@@ -286,9 +285,7 @@ def _eqlin_fwd_fma_kernel(
             K,
             O,
             stride_wm,
-            stride_wo,
             stride_wk,
-            W_OCONTIG,
             BK,
             BO,
             num_warps,
@@ -352,42 +349,34 @@ def fma_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
 
 
 def fma_fwd(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: str = "4x8"
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: str = "8x4"
 ) -> torch.Tensor:
     """``y (B, O, 3)`` for ``x (B, K, 3)``, ``w (3, O, K)``, ``bias (O,)`` or None:
-    the forward, or the input backward with ``w`` the transpose of the weight."""
+    the forward, or the input backward with ``w`` the transpose of the weight. A
+    ``w`` whose O axis is not contiguous is read through a transposed copy
+    (:func:`o_contiguous`; the Function's forward makes it once for cos and sin)."""
     reason = fma_reason(x, w)
     if reason is not None:
         raise ValueError(f"fma_fwd cannot serve this call: {reason}")
     B, K, _ = x.shape
     O = w.shape[1]
-    if w.stride(2) != 1 and w.stride(1) != 1:
-        w = w.contiguous()
+    w = o_contiguous(w)
     y = torch.empty((B, O, 3), device=x.device, dtype=x.dtype)
     if B == 0 or O == 0:
         return y
     TM, TN, TR = TILES[tile]
     grid = (triton.cdiv(O, BLOCK_O), triton.cdiv(B, BLOCK_B))
     _eqlin_fwd_fma_kernel[grid](
-        x,
-        w,
-        bias if bias is not None else w,
-        y,
-        B,
-        K,
-        O,
-        x.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        W_OCONTIG=w.stride(2) != 1,
-        TM=TM,
-        TN=TN,
-        TR=TR,
-        KS=4,
-        EVEN_K=K % BLOCK_K == 0,
-        num_warps=WARPS,
-    )
+        x, w, bias if bias is not None else w, y, B, K, O, x.stride(0), w.stride(0),
+        w.stride(2), y.stride(0), HAS_BIAS=bias is not None, TM=TM, TN=TN, TR=TR,
+        KS=4, EVEN_K=K % BLOCK_K == 0, num_warps=WARPS, maxnreg=MAXNREG,
+    )  # fmt: skip
     return y
+
+
+def o_contiguous(w: torch.Tensor) -> torch.Tensor:
+    """``w (n, O, K)`` with its O axis contiguous (``stride(1) == 1``): as it is, or
+    a transposed copy."""
+    if w.stride(1) == 1:
+        return w
+    return w.transpose(1, 2).contiguous().transpose(1, 2)

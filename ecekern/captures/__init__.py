@@ -145,6 +145,15 @@ NCU_COLUMNS = {
     "dram__bytes_read.sum": "dram_read",
     "dram__bytes_write.sum": "dram_write",
 }
+#: Counters kept as plain numbers (where a capture has them): shared-memory bank
+#: conflicts and wavefronts, instructions issued and FMA instructions executed.
+NCU_COUNTS = {
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_ld_conflicts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem_st_conflicts",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "smem_ld_wavefronts",
+    "smsp__inst_executed.sum": "instructions",
+    "smsp__inst_executed_pipe_fma.sum": "fma_instructions",
+}
 
 
 def _ncu_float(text: str) -> float:
@@ -160,7 +169,7 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
     Returns one dict per kernel: ``kernel`` (name), ``time_ms``, ``dram_pct``,
     ``sm_pct``, ``occupancy_pct``, ``dram_MB`` (read + written), where captured
     ``l2_MB`` (all L2 traffic), ``l2_pct``, ``tensor_pct`` and ``fma_pct`` (pipe
-    activity), and one
+    activity), the counters of ``NCU_COUNTS`` that were captured, and one
     ``stall_<reason>`` per stall-reason metric present (warps stalled per issued
     instruction). Units are read from the page's second row.
     """
@@ -194,6 +203,9 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
         if "lts__t_bytes.sum" in r:
             key = "lts__t_bytes.sum"
             k["l2_MB"] = _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
+        for key, short in NCU_COUNTS.items():
+            if key in r:
+                k[short] = _ncu_float(r[key])
         for key in r:
             if key.startswith("smsp__average_warps_issue_stalled_"):
                 reason = key.removeprefix("smsp__average_warps_issue_stalled_")

@@ -27,6 +27,15 @@ NCU_METRICS_BASIC = [
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
 ]
+#: Shared-memory bank conflicts and instruction counts (tried first, dropped if this
+#: ncu does not know them)
+NCU_COUNTERS = [
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "smsp__inst_executed.sum",
+    "smsp__inst_executed_pipe_fma.sum",
+]
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
     for r in (
@@ -47,7 +56,11 @@ def run_ncu(
     target: str, out_csv: Path, extra: list[str] | None = None, timeout=420
 ) -> str:
     """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
-    for metrics in (NCU_METRICS_BASIC + NCU_STALLS, NCU_METRICS_BASIC):
+    for metrics in (
+        NCU_METRICS_BASIC + NCU_STALLS + NCU_COUNTERS,
+        NCU_METRICS_BASIC + NCU_STALLS,
+        NCU_METRICS_BASIC,
+    ):
         cmd = [
             "ncu",
             "--clock-control",

@@ -9,6 +9,7 @@ tile that is too large into a slow kernel.
     python -m ecekern.captures.registers      # the zonal backward's launches, JSON
     python -m ecekern.captures.registers --zonal-variants   # every zonal variant
     python -m ecekern.captures.registers --linear-layouts   # chapter 2's tile layouts
+    python -m ecekern.captures.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -236,12 +237,139 @@ def zonal_variants(L: int = 3, C: int = 32, dtype: str = "fp64") -> list[dict]:
     return rows
 
 
+def _sass_mix(compiled) -> dict:
+    """Registers, spill stack and the static instruction mix of a compiled kernel:
+    FMAs, shared-memory loads and stores, global loads (plain and asynchronous
+    copies), barriers, spill traffic, and every instruction."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(compiled.asm["cubin"])
+        tool = os.path.join(_tools_dir(), "cuobjdump")
+        res = subprocess.run(
+            [tool, "-res-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [tool, "-sass", path], capture_output=True, text=True, check=True
+        ).stdout
+    ops = re.findall(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass
+    )
+    first = [op.split(".")[0] for op in ops]
+
+    def count(*names):
+        return sum(first.count(n) for n in names)
+
+    return {
+        "registers": int(re.search(r"REG:(\d+)", res).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
+        "shared_bytes": int(compiled.metadata.shared),
+        "ffma": count("FFMA"),
+        "lds": count("LDS"),
+        "sts": count("STS"),
+        "ldg": count("LDG"),
+        "ldgsts": count("LDGSTS"),
+        "bar": count("BAR"),
+        "spill": count("STL", "LDL"),
+        "instructions": len(ops),
+    }
+
+
+def _as_jit(kernel, args: dict, constexprs: dict):
+    """Signature, constants and hints as the JIT gives them for these argument
+    values: pointers (type strings) 16-byte aligned, integers equal to 1 made
+    constants, integers divisible by 16 marked so (what vectorizes a load)."""
+    sig, const, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = args.get(name, 2)
+        if isinstance(v, str):
+            sig[name] = v
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif v == 1:
+            sig[name], const[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, const, attrs
+
+
+def linear_fp32(E: int = 47_000, F: int = 192) -> list[dict]:
+    """Chapter 2's strict-fp32 forwards compiled for sm_90 at the model's shape (x, y
+    ``(E, F, 3)`` contiguous, W ``(3, F, F)``): the Triton kernel at its launch
+    (``linear.FP32_TRITON``; Triton chose a 4 x 4 register tile, twice per program)
+    and the Gluon FMA kernel (``ecekern.linear_fma``) at each register tile, with and
+    without its register cap."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .. import linear, linear_fma
+
+    tl = triton.language
+    cfg = linear.FP32_TRITON
+    x = {"x_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", "w_ptr": "*fp32"}
+    strides = dict(stride_x_b=3 * F, stride_x_k=3, stride_x_m=1)
+    strides |= dict(stride_y_b=3 * F, stride_y_o=3, stride_y_m=1)
+    strides |= dict(stride_w_m=F * F, stride_w_o=F, stride_w_k=1)
+    const = dict(
+        N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k,
+        BLOCK_O=cfg.block_o, PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32,
+        SPLIT=cfg.split, PREFETCH=cfg.prefetch, STORE3=cfg.store3, W_DESC=0,
+        JOIN=cfg.join,
+    )  # fmt: skip
+    sig, c, attrs = _as_jit(
+        linear._eqlin_fwd_kernel, x | strides | {"B": E, "K": F, "O": F}, const
+    )
+    src = ASTSource(
+        fn=linear._eqlin_fwd_kernel, signature=sig, constexprs=c, attrs=attrs
+    )
+    opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    rows = [
+        {"kernel": "Triton (tl.dot on the FMA units)", "tile": "4x4 (x2)"}
+        | {"w": "K contiguous", "maxnreg": ""}
+        | _sass_mix(triton.compile(src, target=GPUTarget(*H200), options=opts))
+    ]
+    k = linear_fma._eqlin_fwd_fma_kernel
+    for tile, (tm, tn, tr) in linear_fma.TILES.items():
+        for cap in (linear_fma.MAXNREG, None):
+            args = {"x_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32"}
+            args |= {"y_ptr": "*fp32", "B": E, "K": F, "O": F, "stride_xb": 3 * F}
+            args |= {"stride_wm": F * F, "stride_wk": F, "stride_yb": 3 * F}
+            const = dict(
+                HAS_BIAS=True, TM=tm, TN=tn, TR=tr, KS=4, EVEN_K=True,
+                num_warps=linear_fma.WARPS,
+            )  # fmt: skip
+            sig, c, attrs = _as_jit(k, args, const)
+            src = GluonASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs)
+            opts = {"num_warps": linear_fma.WARPS} | ({"maxnreg": cap} if cap else {})
+            rows.append(
+                {"kernel": "Gluon (FMA, ecekern.linear_fma)", "tile": tile}
+                | {"w": "O contiguous", "maxnreg": cap or ""}
+                | _sass_mix(triton.compile(src, target=GPUTarget(*H200), options=opts))
+            )
+    return rows
+
+
 def main() -> int:
     if not available():
         print("needs Triton with its NVIDIA tools (Linux wheels)")
         return 1
     if sys.argv[1:] == ["--zonal-variants"]:
         print(json.dumps(zonal_variants()))
+        return 0
+    if sys.argv[1:2] == ["--linear-fp32"]:
+        rows = linear_fp32()
+        if len(sys.argv) > 2:  # a CSV for the book, each row with its provenance
+            from .. import bench
+
+            prov = bench.provenance(
+                command=" ".join(["python -m", __spec__.name, *sys.argv[1:]])
+            )
+            prov["device"] = "none (offline sm_90 build)"
+            bench.write_csv([r | prov for r in rows], sys.argv[2])
+        print(json.dumps(rows))
         return 0
     if sys.argv[1:] == ["--linear-layouts"]:
         print(json.dumps(linear_layouts()))

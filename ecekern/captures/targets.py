@@ -48,7 +48,8 @@ def force_step(repeats: int = 4):
 
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The Triton forward (cos and sin) in strict fp32, TF32 and bf16, each at the
-    capture's chosen launch (``ECEKERN_LINEAR_CONFIG``, by dtype label)."""
+    capture's chosen launch (``ECEKERN_LINEAR_CONFIG``, by dtype label), then strict
+    fp32 with the Triton kernel that the Gluon FMA kernel replaced."""
     import json
     import os
 
@@ -75,6 +76,15 @@ def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
         b = torch.randn(F, device="cuda", dtype=dtype)
         _in_range(lambda x=x, w=w, b=b: linear._EquivariantLinearFn.apply(*x, w, b))
     bench.set_tf32(False)
+    # strict fp32 once more with the Triton kernel (tl.dot on the FMA units), which
+    # the Gluon kernel of ecekern.linear_fma replaced there: the last two kernels
+    linear._config = lambda d, kind="fwd": (
+        linear.FP32_TRITON if kind == "fwd" else default(d, kind)
+    )
+    x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
+    w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
+    b = torch.randn(F, device="cuda")
+    _in_range(lambda: linear._EquivariantLinearFn.apply(*x, w, b))
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
