@@ -52,15 +52,19 @@ stages) followed, then JOIN (the interleaved tile built by ``tl.join``); chapter
 launch sweep at c2b3968 chose 118 us (bf16, PREFETCH and W_DESC), 144 us (TF32, all
 four) and 874 us (strict fp32, none). Cos and sin together the path beats the einsum
 in every tensor-core cell of the sweep and the dense GEMM in TF32 at n_ang = 3 (by 11
-% at 47k and 10 % at 365k), ties or loses to it elsewhere, and loses to both in strict
-fp32. Nsight Compute: low occupancy and warps waiting on loads; Gluon prototypes that
-keep W in shared memory, and a Triton one that loads x by TMA, were 2x slower; a Gluon
-one with the A operand in registers and one interleaved store runs at about this
-kernel's speed (chapter 2, not in the library). The input gradient reads W^T in place
-in 16-bit types and from one contiguous copy per call in TF32, where the in-place read
-cost 58 % (2026-11-30, one-run A/B); the 16-bit weight gradient runs at 32/64/64.
-``path="auto"`` does not pick it: the force step, backward included, is faster with
-the dense GEMM (``ecekern.linear.auto_path``).
+% at 47k and 10 % at 365k), and ties or loses to it elsewhere. Nsight Compute: low
+occupancy and warps waiting on loads; Gluon prototypes that keep W in shared memory,
+and a Triton one that loads x by TMA, were 2x slower; a Gluon one with the A operand
+in registers and one interleaved store runs at about this kernel's speed (chapter 2,
+not in the library). Strict fp32 at n_ang = 3 runs the Gluon kernel of
+:mod:`ecekern.linear_fma` instead (the Triton kernel's shared-memory loads were 77 %
+bank conflicts): 324 against 874 us (3f0d85e), faster than the einsum (0.64 against
+0.98 ms cos and sin at 47k). The input gradient reads W^T in place in strict fp32 and
+16-bit types and from one contiguous copy per call in TF32, where the in-place read
+cost 58 % (2026-11-30, one-run A/B); the 16-bit weight gradient runs at 32/64/64; the
+weight gradient is not computed when the backward pass will not use it (forces).
+``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
+the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -1168,20 +1172,26 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: against 0.41 / 0.54 / 0.76 / 1.03 ms at n_ang = 2..5; bf16: 0.08 / 0.13 / 0.19 /
 #: 0.28 against 0.23 / 0.36 / 0.49 / 0.66 ms) and lost or tied in strict fp32, where
 #: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
-#: 3; 0.68 against 0.69 ms at n_ang = 2). The Triton path lost every cell then; at
-#: c2b3968 its TF32 forward beats the dense GEMM at n_ang = 3 (0.283 against 0.318 ms)
-#: but the TF32 force step of 4096 atoms is slower with it (201 against 166 ms at
-#: 3ed37fa; its weight gradient is a separate reduction), so it stays an explicit
-#: choice. Not
-#: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device
-#: but CUDA.
+#: 3; 0.68 against 0.69 ms at n_ang = 2). ``auto`` serves the force step, so the
+#: Triton path is taken where its force step is the fastest: strict fp32 at n_ang =
+#: 3, on the Gluon FMA kernel (3f0d85e: 202.9 against 228.1 ms for the einsum at
+#: 4096 atoms, 31.6 against 34.7 at 512; forward 0.644 against 0.982 ms). In TF32
+#: its forward beats the dense GEMM (0.283 against 0.318 ms at c2b3968) but its
+#: force step does not (171.3 against 166.2 ms at 3f0d85e). Not measured, so left on
+#: the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
+#: (dtype, n_ang) where ``auto`` takes the Triton path on CUDA (when Triton has
+#: Gluon: without it the strict-fp32 forward is the slower Triton kernel).
+AUTO_TRITON = {(torch.float32, 3)}
 
 
 def auto_path(device_type: str, dtype: torch.dtype, n_ang: int, tf32: bool) -> str:
-    """The path ``"auto"`` takes for a call: ``"dense"`` or ``"einsum"``."""
+    """The path ``"auto"`` takes for a call: ``"dense"``, ``"triton"`` or
+    ``"einsum"``."""
     if device_type != "cuda":
         return "einsum"
+    if not tf32 and (dtype, n_ang) in AUTO_TRITON and linear_fma.gluon is not None:
+        return "triton"
     key = "tf32" if dtype == torch.float32 and tf32 else dtype
     return "dense" if n_ang <= AUTO_DENSE.get(key, 0) else "einsum"
 

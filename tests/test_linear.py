@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import ecekern
-from ecekern import linear, options, reference
+from ecekern import linear, linear_fma, options, reference
 from ecekern.testing import assert_close_three_way, rel_err
 
 G = lambda s: torch.Generator().manual_seed(s)
@@ -189,11 +189,17 @@ def test_dispatch_follows_the_options_and_the_override(monkeypatch):
 
 def test_auto_dispatch_table():
     """``auto``: dense where the H200 sweep measured it faster (tensor-core GEMMs up
-    to n_ang = 5), the einsum everywhere else."""
+    to n_ang = 5), the Triton path in strict fp32 at n_ang = 3 (its force step is the
+    fastest), the einsum everywhere else."""
     f32, bf16 = torch.float32, torch.bfloat16
     assert linear.auto_path("cuda", f32, 3, tf32=True) == "dense"
     assert linear.auto_path("cuda", bf16, 4, tf32=False) == "dense"
-    assert linear.auto_path("cuda", f32, 3, tf32=False) == "einsum"  # FMA units
+    # strict fp32 at n_ang = 3: the Triton path, whose forward is the Gluon FMA
+    # kernel (the fastest force step); elsewhere on the FMA units the einsum
+    fma = "triton" if linear_fma.gluon is not None else "einsum"
+    assert linear.auto_path("cuda", f32, 3, tf32=False) == fma
+    assert linear.auto_path("cuda", f32, 2, tf32=False) == "einsum"
+    assert linear.auto_path("cuda", f32, 4, tf32=False) == "einsum"
     assert linear.auto_path("cuda", bf16, 5, tf32=False) == "dense"
     assert linear.auto_path("cuda", bf16, 6, tf32=False) == "einsum"  # not measured
     assert linear.auto_path("cuda", torch.float16, 3, tf32=False) == "einsum"

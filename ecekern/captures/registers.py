@@ -275,6 +275,19 @@ def _sass_mix(compiled) -> dict:
     }
 
 
+def _dot_tile(ttgir: str, threads: int) -> str:
+    """The register tile the compiler gave each thread for the first ``tt.dot``:
+    ``"RxC (xN)"``, its layout's ``sizePerThread`` repeated N times over the tile."""
+    m = re.search(r"tt\.dot .*?-> tensor<(\d+)x(\d+)xf32, (#\w+)>", ttgir)
+    layout = re.search(rf"^{m.group(3)} = #ttg\.blocked<\{{(.*?)\}}>", ttgir, re.M)
+    spt = [
+        int(v)
+        for v in re.search(r"sizePerThread = \[([0-9, ]*)\]", layout[1])[1].split(",")
+    ]
+    reps = int(m.group(1)) * int(m.group(2)) // (threads * spt[0] * spt[1])
+    return f"{spt[0]}x{spt[1]} (x{reps})"
+
+
 def _as_jit(kernel, args: dict, constexprs: dict):
     """Signature, constants and hints as the JIT gives them for these argument
     values: pointers (type strings) 16-byte aligned, integers equal to 1 made
@@ -326,10 +339,12 @@ def linear_fp32(E: int = 47_000, F: int = 192) -> list[dict]:
         fn=linear._eqlin_fwd_kernel, signature=sig, constexprs=c, attrs=attrs
     )
     opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    compiled = triton.compile(src, target=GPUTarget(*H200), options=opts)
     rows = [
-        {"kernel": "Triton (tl.dot on the FMA units)", "tile": "4x4 (x2)"}
+        {"kernel": "Triton (tl.dot on the FMA units)"}
+        | {"tile": _dot_tile(compiled.asm["ttgir"], 32 * cfg.warps)}
         | {"w": "K contiguous", "maxnreg": ""}
-        | _sass_mix(triton.compile(src, target=GPUTarget(*H200), options=opts))
+        | _sass_mix(compiled)
     ]
     k = linear_fma._eqlin_fwd_fma_kernel
     for tile, (tm, tn, tr) in linear_fma.TILES.items():
