@@ -252,6 +252,15 @@ def _sass_mix(compiled) -> dict:
         sass = subprocess.run(
             [tool, "-sass", path], capture_output=True, text=True, check=True
         ).stdout
+    shared = sorted(
+        set(
+            re.findall(
+                r"#ttg\.swizzled_shared<\{vec = (\d+), perPhase = (\d+), "
+                r"maxPhase = (\d+)",
+                compiled.asm.get("ttgir", ""),
+            )
+        )
+    )
     ops = re.findall(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass
     )
@@ -272,6 +281,11 @@ def _sass_mix(compiled) -> dict:
         "bar": count("BAR"),
         "spill": count("STL", "LDL"),
         "instructions": len(ops),
+        "shared_layouts": "; ".join(
+            "unswizzled" if (v, p, m) == ("1", "1", "1") else f"vec {v}, phases {m}"
+            for v, p, m in shared
+        )
+        or "none in the TTGIR",
     }
 
 
