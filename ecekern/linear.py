@@ -986,14 +986,42 @@ def eqlin_fwd(
     return y
 
 
+def _bwd_w_by_gemm(x: torch.Tensor) -> bool:
+    """Whether the weight gradient runs as :func:`_bwd_w_gemm`: strict fp32 on CUDA,
+    where the Triton kernel's FMA dot took 17x the einsum's whole backward (chapter
+    2: fwd+bwd 19.5 against 6.1 ms at E = 47k, 3f0d85e)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.float32
+        and not torch.backends.cuda.matmul.allow_tf32
+        and not INTERPRET
+    )
+
+
+def _bwd_w_gemm(gc, gs, xc, xs) -> torch.Tensor:
+    """The weight gradient as the block diagonal of one GEMM per cos and sin over
+    the flattened (feature, mode) axes: ``M = g2^T x2`` with ``g2 = g (B, O n)`` and
+    ``x2 = x (B, K n)`` (views, no copies), ``dW[m, o, k] = M[o n + m, k n + m]``.
+    n_ang times the flops, on cuBLAS's tuned GEMM, deterministic; one weight-sized
+    copy for the diagonal."""
+    B, O, n = gc.shape
+    K = xc.shape[1]
+    m = gc.reshape(B, O * n).t() @ xc.reshape(B, K * n)
+    m.addmm_(gs.reshape(B, O * n).t(), xs.reshape(B, K * n))
+    return m.view(O, n, K, n).diagonal(dim1=1, dim2=3).permute(2, 0, 1).contiguous()
+
+
 def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     """``dW[m, o, k] = sum_b gc[b, o, m] xc[b, k, m] + gs[b, o, m] xs[b, k, m]``,
-    deterministic: fixed chunks of rows, then a sum over chunks in a fixed order."""
+    deterministic: fixed chunks of rows, then a sum over chunks in a fixed order (or,
+    in strict fp32 on CUDA, :func:`_bwd_w_gemm`)."""
     B, O, n_ang = gc.shape
     K = xc.shape[1]
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
     if B == 0 or K == 0 or O == 0:
         return torch.zeros((n_ang, O, K), device=xc.device, dtype=xc.dtype)
+    if _bwd_w_by_gemm(xc):
+        return _bwd_w_gemm(gc, gs, xc, xs)
     BB, BK, BO, warps, stages, split = _config(xc.dtype, "bwd_w")[:6]
     if n_ang > 3:  # offline sm_90 builds of the 16-bit launch spill at n_ang 4, 5
         BK = min(BK, 32)

@@ -135,6 +135,23 @@ def test_weight_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
     assert rel_err(dw, dw_ref) < 1e-12
 
 
+@pytest.mark.parametrize("n_ang", [1, 3, 5])
+def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
+    """Strict fp32 on CUDA takes the weight gradient from one GEMM per cos and sin:
+    its block diagonal is the gradient, exactly in fp64."""
+    g = G(4)
+    gc, gs = (
+        torch.randn(41, 13, n_ang, generator=g, dtype=torch.float64) for _ in "cs"
+    )
+    xc, xs = (torch.randn(41, 9, n_ang, generator=g, dtype=torch.float64) for _ in "cs")
+    want = torch.einsum("bom,bkm->mok", gc, xc) + torch.einsum("bom,bkm->mok", gs, xs)
+    got = linear._bwd_w_gemm(gc, gs, xc, xs)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert rel_err(got, want) < 1e-12
+    cpu = torch.zeros(2, 3, 3)
+    assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (and strict fp32, not TF32)
+
+
 def test_weight_gradient_is_deterministic():
     args = _args(70, 20, 18, 3)
     a = _run("triton", args)

@@ -130,7 +130,8 @@ def test_gpu_fma_input_backward_reads_w_transposed_in_place(B, K, O):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_gpu_strict_fp32_path_runs_the_fma_kernel_both_ways(monkeypatch):
     """Forward and input backward of the Triton path in strict fp32 go through the
-    Gluon kernel (cos and sin each way), with all gradients within fp32 of float64;
+    Gluon kernel (cos and sin each way), the weight gradient through one GEMM per
+    cos and sin, with all gradients within fp32 of float64;
     an x with m-major strides has its forward from the Triton kernel instead."""
     bench.set_tf32(False)
     calls = []
@@ -141,6 +142,11 @@ def test_gpu_strict_fp32_path_runs_the_fma_kernel_both_ways(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(linear_fma, "fma_fwd", spy)
+    gemm = []
+    real_gemm = linear._bwd_w_gemm
+    monkeypatch.setattr(
+        linear, "_bwd_w_gemm", lambda *a: gemm.append(1) or real_gemm(*a)
+    )
     for m_major in (False, True):
         calls.clear()
         xs = [_xw(4099, 192, 160, device="cuda", seed=s)[0] for s in (3, 4)]
@@ -164,3 +170,4 @@ def test_gpu_strict_fp32_path_runs_the_fma_kernel_both_ways(monkeypatch):
         forward = [c for c in calls if c[0] != args[2].data_ptr()]
         assert len(backward) == 2 and len(forward) == (0 if m_major else 2)
         assert len({p for p, _ in forward}) <= 1  # one copy, shared
+    assert gemm == [1, 1]  # the weight gradient by one GEMM per backward
