@@ -354,7 +354,7 @@ def fma_fwd(
     """``y (B, O, 3)`` for ``x (B, K, 3)``, ``w (3, O, K)``, ``bias (O,)`` or None:
     the forward, or the input backward with ``w`` the transpose of the weight. A
     ``w`` whose O axis is not contiguous is read through a transposed copy
-    (:func:`o_contiguous`; the Function's forward makes it once for cos and sin)."""
+    (``o_contiguous``; the Function's forward makes it once for cos and sin)."""
     reason = fma_reason(x, w)
     if reason is not None:
         raise ValueError(f"fma_fwd cannot serve this call: {reason}")
