@@ -364,6 +364,11 @@ def fma_fwd(
     y = torch.empty((B, O, 3), device=x.device, dtype=x.dtype)
     if B == 0 or O == 0:
         return y
+    if K == 0:  # nothing to sum, and no kernel should read an empty x: the bias alone
+        y.zero_()
+        if bias is not None:
+            y[:, :, 0] += bias
+        return y
     TM, TN, TR = TILES[tile]
     grid = (triton.cdiv(O, BLOCK_O), triton.cdiv(B, BLOCK_B))
     _eqlin_fwd_fma_kernel[grid](

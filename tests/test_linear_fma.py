@@ -88,6 +88,7 @@ SIZES = [
     (70, 100, 130),  # K not a multiple of 16: the masked loads
     (1, 17, 5),
     (0, 16, 16),
+    (7, 0, 16),  # no inputs: the bias alone
 ]
 
 
