@@ -109,6 +109,7 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     if (p2 / "model_steps.csv").exists():
         labels = {
             ("dense", "float32"): "2. dense block-diagonal GEMM",
+            ("triton", "float32"): "2. Triton path, Gluon FMA forward (auto)",
             ("einsum", "float32+tf32"): "1. einsum reference",
             ("dense", "float32+tf32"): "2. dense block-diagonal GEMM (auto)",
         }
