@@ -60,9 +60,12 @@ not in the library). Strict fp32 at n_ang = 3 runs the Gluon kernel of
 :mod:`ecekern.linear_fma` instead (the Triton kernel's shared-memory loads were 77 %
 bank conflicts): 324 against 874 us (3f0d85e), faster than the einsum (0.64 against
 0.98 ms cos and sin at 47k). The input gradient reads W^T in place in strict fp32 and
-16-bit types and from one contiguous copy per call in TF32, where the in-place read
-cost 58 % (2026-11-30, one-run A/B); the 16-bit weight gradient runs at 32/64/64; the
-weight gradient is not computed when the backward pass will not use it (forces).
+16-bit types and from a contiguous copy in TF32, where the in-place read cost 58 %
+(2026-11-30, one-run A/B); that copy, and the strict-fp32 forward's W with O
+contiguous, are one W^T kept per weight until it changes (``_w_t_copy``). The weight
+gradient is one GEMM per cos and sin in fp32 on CUDA (``_bwd_w_gemm``), the Triton
+reduction elsewhere (16-bit types at 32/64/64), and is not computed when the
+backward pass will not use it (forces).
 ``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
 the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
 """
@@ -71,6 +74,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -987,15 +991,12 @@ def eqlin_fwd(
 
 
 def _bwd_w_by_gemm(x: torch.Tensor) -> bool:
-    """Whether the weight gradient runs as :func:`_bwd_w_gemm`: strict fp32 on CUDA,
-    where the Triton kernel's FMA dot took 17x the einsum's whole backward (chapter
-    2: fwd+bwd 19.5 against 6.1 ms at E = 47k, 3f0d85e)."""
-    return (
-        x.is_cuda
-        and x.dtype == torch.float32
-        and not torch.backends.cuda.matmul.allow_tf32
-        and not INTERPRET
-    )
+    """Whether the weight gradient runs as :func:`_bwd_w_gemm`: fp32 on CUDA, strict
+    or TF32. Cos and sin together at F = 192, n_ang = 3 (history
+    ``session8_bwd_w_043bf46.csv``): strict fp32 1.47 against 18.08 ms for the
+    Triton kernel at E = 47k (11.1 against 140.7 at 365k), TF32 0.45 against 0.82
+    (3.13 against 6.03)."""
+    return x.is_cuda and x.dtype == torch.float32 and not INTERPRET
 
 
 def _bwd_w_gemm(gc, gs, xc, xs) -> torch.Tensor:
@@ -1014,7 +1015,7 @@ def _bwd_w_gemm(gc, gs, xc, xs) -> torch.Tensor:
 def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     """``dW[m, o, k] = sum_b gc[b, o, m] xc[b, k, m] + gs[b, o, m] xs[b, k, m]``,
     deterministic: fixed chunks of rows, then a sum over chunks in a fixed order (or,
-    in strict fp32 on CUDA, :func:`_bwd_w_gemm`)."""
+    in fp32 on CUDA, :func:`_bwd_w_gemm`)."""
     B, O, n_ang = gc.shape
     K = xc.shape[1]
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32
@@ -1074,6 +1075,40 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
+# the transposed weight, kept while the weight does not change
+# --------------------------------------------------------------------------------------
+#: id(weight) -> (weakref to weight, (version, data_ptr, shape, stride), W^T copy)
+_W_T: dict[int, tuple] = {}
+
+
+def _w_t_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.transpose(1, 2).contiguous()``, ``(n_ang, K, O)``, made once per
+    weight and kept until the weight changes. The strict-fp32 forward reads it as
+    W with O contiguous (the FMA kernel's tile), the TF32 input backward as a
+    contiguous W^T (wgmma's K-major tile); without the cache every force step copied
+    each layer's weight (442 KB at F = 192) in one of the two, the only
+    ``aten::copy_`` left of this layer.
+
+    The copy is reused only for the same tensor object at the same version counter
+    (every in-place change bumps it), storage address, shape and strides, and an
+    entry leaves with its weight. While a CUDA graph is being captured nothing is
+    cached: a replay runs no Python, so the copy must be inside the graph to follow
+    in-place updates of the weight between replays."""
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = id(weight)
+    state = (weight._version, weight.data_ptr(), weight.shape, weight.stride())
+    hit = _W_T.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == state and not capturing:
+        return hit[2]
+    with torch.no_grad():
+        w_t = weight.detach().transpose(1, 2).contiguous()
+    if not capturing:
+        ref = weakref.ref(weight, lambda _, k=key: _W_T.pop(k, None))
+        _W_T[key] = (ref, state, w_t)
+    return w_t
+
+
+# --------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------
 def _grad_node(t: torch.Tensor):
@@ -1112,7 +1147,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
         ctx.w_node = _grad_node(weight)
         w = weight
         if _config(x_cos.dtype).fma and linear_fma.fma_reason(x_cos, w) is None:
-            w = linear_fma.o_contiguous(w)  # the FMA kernel's W: one copy, cos and sin
+            if w.stride(1) != 1:  # the FMA kernel reads W with O contiguous
+                w = _w_t_copy(w).transpose(1, 2)
         return eqlin_fwd(x_cos, w, bias), eqlin_fwd(x_sin, w, None)
 
     @staticmethod
@@ -1132,7 +1168,7 @@ class _EquivariantLinearFn(torch.autograd.Function):
                 )
         else:
             if not _reads_w_t_in_place(weight.dtype) and any(ctx.needs_input_grad[:2]):
-                w_t = w_t.contiguous()  # one copy, shared by cos and sin
+                w_t = _w_t_copy(weight)  # TF32's wgmma wants W^T's tile K-major
             if ctx.needs_input_grad[0]:
                 dx_cos = eqlin_fwd(g_cos, w_t, None)
             if ctx.needs_input_grad[1]:

@@ -145,44 +145,25 @@ def _load_w(
 
 
 @_jit
-def _store(
-    acc0,
-    acc1,
-    acc2,
-    b_ptr,
-    y_ptr,
-    rb,
-    o0,
-    B,
-    O,
-    stride_yb,
-    HAS_BIAS: gl.constexpr,
-    BB: gl.constexpr,
-    BO: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """The modes joined in registers, ``[BB, BO, 4]`` (slot 3 a dummy), converted so
-    that lanes run along the outputs: a warp stores 32 outputs x 3 modes, 384
-    contiguous bytes of y. The bias joins the m = 0 slot."""
-    st_l: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
-    )
-    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
-    t4 = gl.convert_layout(t4, st_l)
-    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
-    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
-    m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
-    rows = rb.to(gl.int64) * BB + r[:, None, None]
-    cols = o0 + c[None, :, None]
-    mm = m[None, None, :]
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + o0 + c, mask=o0 + c < O, other=0.0)
-        t4 = t4 + gl.where(mm == 0, bias[None, :, None], 0.0)
-    gl.store(
-        y_ptr + rows * stride_yb + cols * 3 + mm,
-        t4,
-        mask=(rows < B) & (cols < O) & (mm < 3),
-    )
+def _load_x(x_ptrs, x_mask, x_k, k0, K, EVEN_K: gl.constexpr):
+    """The ``[BB, 4, 16]`` x tile of the K step at ``k0``: zeros past K (and, for
+    ``k0 >= K``, everywhere: the loop's load after its last step)."""
+    if EVEN_K:  # a mask that is constant along each 16-byte load keeps it one load
+        return gl.load(x_ptrs + k0 * 3, mask=x_mask & (k0 < K), other=0.0)
+    return gl.load(x_ptrs + k0 * 3, mask=x_mask & (k0 + x_k < K), other=0.0)
+
+
+@_jit
+def _stage(xs, ws, buf, xr, w0, w1, w2, BB: gl.constexpr):
+    """One K step into shared buffer ``buf`` (of two): each mode of x transposed,
+    ``[k][row]``, and W's three ``[k][o]`` tiles as loaded."""
+    a0, a1, a2 = _modes(xr, BB)
+    xs.index(buf).store(a0.permute((1, 0)))
+    xs.index(buf + 1).store(a1.permute((1, 0)))
+    xs.index(buf + 2).store(a2.permute((1, 0)))
+    ws.index(buf).store(w0)
+    ws.index(buf + 1).store(w1)
+    ws.index(buf + 2).store(w2)
 
 
 @_jit
@@ -244,29 +225,9 @@ def _eqlin_fwd_fma_kernel(
     acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
 
     # step 0 into buffer 0
-    if EVEN_K:  # a mask that is constant along each 16-byte load keeps it one load
-        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-    else:
-        xr = gl.load(x_ptrs, mask=x_mask & (x_k < K), other=0.0)
-    w0, w1, w2 = _load_w(
-        w_ptr,
-        0,
-        o0,
-        K,
-        O,
-        stride_wm,
-        stride_wk,
-        BK,
-        BO,
-        num_warps,
-    )
-    a0, a1, a2 = _modes(xr, BB)
-    xs.index(0).store(a0.permute((1, 0)))
-    xs.index(1).store(a1.permute((1, 0)))
-    xs.index(2).store(a2.permute((1, 0)))
-    ws.index(0).store(w0)
-    ws.index(1).store(w1)
-    ws.index(2).store(w2)
+    xr = _load_x(x_ptrs, x_mask, x_k, 0, K, EVEN_K)
+    w0, w1, w2 = _load_w(w_ptr, 0, o0, K, O, stride_wm, stride_wk, BK, BO, num_warps)
+    _stage(xs, ws, 0, xr, w0, w1, w2, BB)
     gl.thread_barrier()
 
     for it in range((K + BK - 1) // BK):
@@ -274,21 +235,9 @@ def _eqlin_fwd_fma_kernel(
         nx = ((it + 1) % 2) * 3
         k1 = (it + 1) * BK
         # the next step's loads (masked off after the last) fly during the FMAs
-        if EVEN_K:
-            xr = gl.load(x_ptrs + k1 * 3, mask=x_mask & (k1 < K), other=0.0)
-        else:
-            xr = gl.load(x_ptrs + k1 * 3, mask=x_mask & (k1 + x_k < K), other=0.0)
+        xr = _load_x(x_ptrs, x_mask, x_k, k1, K, EVEN_K)
         w0, w1, w2 = _load_w(
-            w_ptr,
-            k1,
-            o0,
-            K,
-            O,
-            stride_wm,
-            stride_wk,
-            BK,
-            BO,
-            num_warps,
+            w_ptr, k1, o0, K, O, stride_wm, stride_wk, BK, BO, num_warps
         )
         for kk in gl.static_range(BK // KS):
             a = xs.index(s).slice(kk * KS, KS).permute((1, 0)).load(a_l)
@@ -300,30 +249,30 @@ def _eqlin_fwd_fma_kernel(
             a = xs.index(s + 2).slice(kk * KS, KS).permute((1, 0)).load(a_l)
             b = ws.index(s + 2).slice(kk * KS, KS).load(b_l)
             acc2 = fma_dot(a, b, acc2)
-        a0, a1, a2 = _modes(xr, BB)
-        xs.index(nx).store(a0.permute((1, 0)))
-        xs.index(nx + 1).store(a1.permute((1, 0)))
-        xs.index(nx + 2).store(a2.permute((1, 0)))
-        ws.index(nx).store(w0)
-        ws.index(nx + 1).store(w1)
-        ws.index(nx + 2).store(w2)
+        _stage(xs, ws, nx, xr, w0, w1, w2, BB)
         gl.thread_barrier()  # buffer s is free, buffer nx is written
 
-    _store(
-        acc0,
-        acc1,
-        acc2,
-        b_ptr,
-        y_ptr,
-        rb,
-        o0,
-        B,
-        O,
-        stride_yb,
-        HAS_BIAS,
-        BB,
-        BO,
-        num_warps,
+    # the modes joined in registers, [BB, BO, 4] (slot 3 a dummy), converted so that
+    # lanes run along the outputs: a warp stores 32 outputs x 3 modes, 384
+    # contiguous bytes of y; the bias joins the m = 0 slot
+    st_l: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
+    )
+    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
+    t4 = gl.convert_layout(t4, st_l)
+    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
+    m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+    rows = rb.to(gl.int64) * BB + r[:, None, None]
+    cols = o0 + c[None, :, None]
+    mm = m[None, None, :]
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + o0 + c, mask=o0 + c < O, other=0.0)
+        t4 = t4 + gl.where(mm == 0, bias[None, :, None], 0.0)
+    gl.store(
+        y_ptr + rows * stride_yb + cols * 3 + mm,
+        t4,
+        mask=(rows < B) & (cols < O) & (mm < 3),
     )
 
 

@@ -149,7 +149,30 @@ def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
     assert got.shape == want.shape and got.is_contiguous()
     assert rel_err(got, want) < 1e-12
     cpu = torch.zeros(2, 3, 3)
-    assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (and strict fp32, not TF32)
+    assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (fp32, strict or TF32)
+
+
+def test_transposed_weight_is_copied_once_until_the_weight_changes():
+    """``_w_t_copy`` keeps one W^T per weight: the same tensor while the weight is
+    unchanged, a fresh and correct copy after an in-place update, a separate copy
+    for another weight (or a view of it), and no entry once the weight is gone."""
+    w = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    first = linear._w_t_copy(w)
+    assert torch.equal(first, w.detach().transpose(1, 2))
+    assert first.is_contiguous() and not first.requires_grad
+    assert linear._w_t_copy(w) is first
+    with torch.no_grad():
+        w.mul_(2.0)  # an optimizer step: the version counter moves
+    second = linear._w_t_copy(w)
+    assert second is not first and torch.equal(second, w.detach().transpose(1, 2))
+    view = w[:, :4]
+    assert torch.equal(linear._w_t_copy(view), view.detach().transpose(1, 2))
+    other = torch.randn(3, 5, 7, dtype=torch.float64)
+    assert torch.equal(linear._w_t_copy(other), other.transpose(1, 2))
+    keys = {id(w), id(view), id(other)}
+    assert keys <= set(linear._W_T)
+    del w, view, other, first, second
+    assert not keys & set(linear._W_T)
 
 
 def test_weight_gradient_is_deterministic():
@@ -555,6 +578,50 @@ def test_gpu_tf32_input_backward_reads_a_copy_of_w_transposed(monkeypatch):
     assert {mode for mode, _, _ in seen} == {1}
     ptrs = {ptr for _, ptr, _ in seen}  # W for the forwards, one W^T for both dx
     assert args[2].data_ptr() in ptrs and len(ptrs) == 2 and len(seen) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
+def test_gpu_force_steps_copy_no_weight_after_the_first(tf32):
+    """The layer's weight layouts are made once: the strict-fp32 forward's W with O
+    contiguous and the TF32 input backward's W^T come from ``_w_t_copy``, so a
+    second force-like step (forward, then the input gradient only) runs no
+    ``aten::copy_`` at all; after an in-place weight update the next step makes one
+    fresh copy and the results follow the new weight."""
+    from ecekern.bench import set_tf32
+
+    args64 = _args(600, 192, 192, 3)
+    x_c, x_s, w = (t.detach().float() for t in args64[:3])
+    w.requires_grad_()
+    x_c.requires_grad_()
+    x_s.requires_grad_()
+
+    def step():
+        y_c, y_s = linear.equivariant_linear(x_c, x_s, w, None, path="triton")
+        e = (y_c * y_c).sum() + (y_s * y_s).sum()
+        return torch.autograd.grad(e, (x_c, x_s))
+
+    def copies():
+        with torch.profiler.profile() as prof:
+            out = step()
+            torch.cuda.synchronize()
+        return out, sum(e.name == "aten::copy_" for e in prof.events())
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    set_tf32(tf32)
+    try:
+        step()
+        (g_c, g_s), n = copies()
+        assert n == 0
+        with torch.no_grad():
+            w.mul_(0.5)
+        (h_c, h_s), n = copies()
+        assert n == 1  # the one fresh W^T
+    finally:
+        set_tf32(before)
+    tol = 3e-3 if tf32 else 1e-5
+    assert rel_err(h_c.double(), 0.25 * g_c.double()) < tol  # dx scales as W^2
+    assert rel_err(h_s.double(), 0.25 * g_s.double()) < tol
 
 
 @pytest.mark.skipif(linear.TensorDescriptor is None, reason="no host descriptors")
