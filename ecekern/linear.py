@@ -63,9 +63,9 @@ bank conflicts): 324 against 874 us (3f0d85e), faster than the einsum (0.64 agai
 16-bit types and from a contiguous copy in TF32, where the in-place read cost 58 %
 (2026-11-30, one-run A/B); that copy, and the strict-fp32 forward's W with O
 contiguous, are one W^T kept per weight until it changes (``_w_t_copy``). The weight
-gradient is one GEMM per cos and sin in fp32 on CUDA (``_bwd_w_gemm``), the Triton
-reduction elsewhere (16-bit types at 32/64/64), and is not computed when the
-backward pass will not use it (forces).
+gradient is one GEMM per cos and sin on CUDA outside fp64 (``_bwd_w_gemm``), the
+Triton reduction elsewhere, and is not computed when the backward pass will not use
+it (forces).
 ``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
 the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
 """
@@ -991,31 +991,50 @@ def eqlin_fwd(
 
 
 def _bwd_w_by_gemm(x: torch.Tensor) -> bool:
-    """Whether the weight gradient runs as :func:`_bwd_w_gemm`: fp32 on CUDA, strict
-    or TF32. Cos and sin together at F = 192, n_ang = 3 (history
-    ``session8_bwd_w_043bf46.csv``): strict fp32 1.47 against 18.08 ms for the
-    Triton kernel at E = 47k (11.1 against 140.7 at 365k), TF32 0.45 against 0.82
-    (3.13 against 6.03)."""
-    return x.is_cuda and x.dtype == torch.float32 and not INTERPRET
+    """Whether the weight gradient runs as :func:`_bwd_w_gemm`: on CUDA in every
+    dtype but fp64. Cos and sin together at F = 192, n_ang = 3, against the Triton
+    reduction kernel (history ``session8_bwd_w_043bf46.csv`` and
+    ``session9_bwd_w_9246eff.csv``): strict fp32 1.47 against 18.08 ms at E = 47k
+    (11.1 against 140.7 at 365k), TF32 0.45 against 0.81 (3.06 against 6.02), bf16
+    0.12 against 0.44 (0.77 against 3.18)."""
+    return x.is_cuda and x.dtype != torch.float64 and not INTERPRET
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 16-bit ``a, b`` with the fp32 sums kept (``torch.mm``'s
+    ``out_dtype``, CUDA); a torch without it rounds the product to the input dtype
+    once and widens it."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except TypeError:  # torch without mm(..., out_dtype)
+        return torch.mm(a, b).float()
 
 
 def _bwd_w_gemm(gc, gs, xc, xs) -> torch.Tensor:
     """The weight gradient as the block diagonal of one GEMM per cos and sin over
     the flattened (feature, mode) axes: ``M = g2^T x2`` with ``g2 = g (B, O n)`` and
     ``x2 = x (B, K n)`` (views, no copies), ``dW[m, o, k] = M[o n + m, k n + m]``.
-    n_ang times the flops, on cuBLAS's tuned GEMM, deterministic; one weight-sized
-    copy for the diagonal."""
+    n_ang times the flops, on cuBLAS's tuned GEMM, deterministic; M is summed in
+    fp32 for 16-bit inputs too, and rounded once, like the Triton reduction."""
     B, O, n = gc.shape
     K = xc.shape[1]
-    m = gc.reshape(B, O * n).t() @ xc.reshape(B, K * n)
-    m.addmm_(gs.reshape(B, O * n).t(), xs.reshape(B, K * n))
-    return m.view(O, n, K, n).diagonal(dim1=1, dim2=3).permute(2, 0, 1).contiguous()
+    (g2c, x2c), (g2s, x2s) = (
+        (g.reshape(B, O * n).t(), x.reshape(B, K * n)) for g, x in ((gc, xc), (gs, xs))
+    )
+    if gc.dtype in (torch.bfloat16, torch.float16):
+        m = _mm_fp32(g2c, x2c)
+        m += _mm_fp32(g2s, x2s)
+    else:
+        m = g2c @ x2c
+        m.addmm_(g2s, x2s)
+    d = m.view(O, n, K, n).diagonal(dim1=1, dim2=3).permute(2, 0, 1)
+    return d.to(gc.dtype).contiguous()
 
 
 def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     """``dW[m, o, k] = sum_b gc[b, o, m] xc[b, k, m] + gs[b, o, m] xs[b, k, m]``,
     deterministic: fixed chunks of rows, then a sum over chunks in a fixed order (or,
-    in fp32 on CUDA, :func:`_bwd_w_gemm`)."""
+    on CUDA outside fp64, :func:`_bwd_w_gemm`)."""
     B, O, n_ang = gc.shape
     K = xc.shape[1]
     acc_dtype = torch.float64 if xc.dtype == torch.float64 else torch.float32

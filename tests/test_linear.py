@@ -149,7 +149,7 @@ def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
     assert got.shape == want.shape and got.is_contiguous()
     assert rel_err(got, want) < 1e-12
     cpu = torch.zeros(2, 3, 3)
-    assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (fp32, strict or TF32)
+    assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (and not fp64)
 
 
 def test_transposed_weight_is_copied_once_until_the_weight_changes():
