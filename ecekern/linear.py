@@ -864,8 +864,9 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
         if dtype == torch.float32:  # TF32: prefetch, one joined store, W by descriptor
             return Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True)
         return Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True)  # bf16
-    if dtype in (torch.bfloat16, torch.float16):  # weight gradient: 349 us, not 587
-        return Config(32, 64, 64, 4, 2, SPLIT)  # (history session6_bwd_w_1099ca2.csv)
+    # the weight-gradient kernel: on CUDA only fp64 runs it (above); every other
+    # dtype takes the GEMM (``_bwd_w_by_gemm``) and reaches this launch only where a
+    # benchmark forces the kernel
     return Config(64, 32, 64, 4, STAGES, SPLIT)
 
 
@@ -1013,7 +1014,8 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _bwd_w_gemm(gc, gs, xc, xs) -> torch.Tensor:
     """The weight gradient as the block diagonal of one GEMM per cos and sin over
     the flattened (feature, mode) axes: ``M = g2^T x2`` with ``g2 = g (B, O n)`` and
-    ``x2 = x (B, K n)`` (views, no copies), ``dW[m, o, k] = M[o n + m, k n + m]``.
+    ``x2 = x (B, K n)`` (views of contiguous g and x), ``dW[m, o, k] =
+    M[o n + m, k n + m]``.
     n_ang times the flops, on cuBLAS's tuned GEMM, deterministic; M is summed in
     fp32 for 16-bit inputs too, and rounded once, like the Triton reduction."""
     B, O, n = gc.shape
@@ -1043,8 +1045,6 @@ def eqlin_bwd_w(gc, gs, xc, xs) -> torch.Tensor:
     if _bwd_w_by_gemm(xc):
         return _bwd_w_gemm(gc, gs, xc, xs)
     BB, BK, BO, warps, stages, split = _config(xc.dtype, "bwd_w")[:6]
-    if n_ang > 3:  # offline sm_90 builds of the 16-bit launch spill at n_ang 4, 5
-        BK = min(BK, 32)
     rows = (
         max(BB, triton.cdiv(triton.cdiv(B, 64), BB) * BB) if not INTERPRET else 4 * BB
     )

@@ -3,7 +3,8 @@
 ``y[b, o, m] = sum_k x[b, k, m] w[m, o, k] (+ bias[o] at m = 0)`` for ``x (B, K, 3)``
 with rows contiguous (``x.stride(1) == 3``, ``x.stride(2) == 1``), ``w (3, O, K)``
 read with O contiguous (the input backward's ``W^T`` as it lies; the forward's W
-through one transposed copy, 442 KB at K = O = 192), ``y (B, O, 3)`` contiguous;
+through a transposed copy, 442 KB at K = O = 192, that ``linear._w_t_copy`` keeps
+while the weight is unchanged), ``y (B, O, 3)`` contiguous;
 fp32 in, IEEE fp32 FMAs, fp32 out.
 
 Why a second kernel: in strict fp32 (TF32 off) the forward is arithmetic-bound

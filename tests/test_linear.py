@@ -303,16 +303,9 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     assert linear.FP32_TRITON == linear.Config(64, 32, 64, 4, 2, False, False)
     assert tf32 == linear.Config(64, 32, 64, 4, 2, False, False, True, True, True, True)
     assert bf16 == linear.Config(64, 32, 64, 4, 2, False, False, True, False, True)
-    # the weight gradient: 16-bit types take the fastest launch of the session-6
-    # sweep (history session6_bwd_w_1099ca2.csv); fp32 keeps its launch
-    assert linear._config(torch.bfloat16, "bwd_w") == linear.Config(
-        32, 64, 64, 4, 2, False
-    )
-    assert linear._config(torch.float16, "bwd_w") == linear.Config(
-        32, 64, 64, 4, 2, False
-    )
-    assert linear._config(torch.float32, "bwd_w") == linear.Config(
-        64, 32, 64, 4, linear.STAGES, False
+    # the weight-gradient kernel serves fp64 on CUDA; the rest take the GEMM
+    assert linear._config(torch.float64, "bwd_w") == linear.Config(
+        32, 16, 32, 4, linear.STAGES, False
     )
 
 
