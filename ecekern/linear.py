@@ -51,8 +51,10 @@ STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine, pipelined 
 stages) followed, then JOIN (the interleaved tile built by ``tl.join``); chapter 2's
 launch sweep at c2b3968 chose 118 us (bf16, PREFETCH and W_DESC), 144 us (TF32, all
 four) and 874 us (strict fp32, none). Cos and sin together the path beats the einsum
-in every tensor-core cell of the sweep and the dense GEMM in TF32 at n_ang = 3 (by 11
-% at 47k and 10 % at 365k), and ties or loses to it elsewhere. Nsight Compute: low
+in every tensor-core cell of the sweep and loses to the dense GEMM in every one (TF32,
+n_ang = 3: 0.284 against 0.238 ms at 47k; the dense rows re-taken at 51554fe: the
+older ones, from before the dense weight stopped being copied, had put this path 11 %
+ahead). Nsight Compute: low
 occupancy and warps waiting on loads; Gluon prototypes that keep W in shared memory,
 and a Triton one that loads x by TMA, were 2x slower; a Gluon one with the A operand
 in registers and one interleaved store runs at about this kernel's speed (chapter 2,
@@ -1249,19 +1251,19 @@ def _triton_reason(x_cos, weight) -> str | None:
 
 
 #: ``path="auto"``, from chapter 2's H200 capture (``book/captures/
-#: 02_block_diagonal_gemm``, commit b7b3dea, 2026-11-29; E = 47k, F = 192, cos and
-#: sin, GPU time): the dense GEMM beat the einsum by more than 5 % wherever its GEMM
-#: ran on tensor cores, at every n_ang measured (TF32: 0.17 / 0.32 / 0.43 / 0.68 ms
-#: against 0.41 / 0.54 / 0.76 / 1.03 ms at n_ang = 2..5; bf16: 0.08 / 0.13 / 0.19 /
-#: 0.28 against 0.23 / 0.36 / 0.49 / 0.66 ms) and lost or tied in strict fp32, where
-#: it does n_ang times the flops on the FMA units (1.65 against 0.97 ms at n_ang =
-#: 3; 0.68 against 0.69 ms at n_ang = 2). ``auto`` serves the force step, so the
-#: Triton path is taken where its force step is the fastest: strict fp32 at n_ang =
-#: 3, on the Gluon FMA kernel (3f0d85e: 202.9 against 228.1 ms for the einsum at
-#: 4096 atoms, 31.6 against 34.7 at 512; forward 0.644 against 0.982 ms). In TF32
-#: its forward beats the dense GEMM (0.283 against 0.318 ms at c2b3968) but its
-#: force step does not (171.3 against 166.2 ms at 3f0d85e). Not measured, so left on
-#: the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device but CUDA.
+#: 02_block_diagonal_gemm``; E = 47k, F = 192, cos and sin, GPU time; dense rows at
+#: 51554fe, einsum rows at b7b3dea): the dense GEMM beat the einsum by more than 5 %
+#: wherever its GEMM ran on tensor cores, at every n_ang measured (TF32: 0.13 / 0.24
+#: / 0.35 / 0.57 ms against 0.41 / 0.54 / 0.76 / 1.03 ms at n_ang = 2..5; bf16: 0.08
+#: / 0.13 / 0.19 / 0.28 against 0.23 / 0.36 / 0.49 / 0.66 ms) and lost or tied in
+#: strict fp32, where it does n_ang times the flops on the FMA units (1.43 against
+#: 0.97 ms at n_ang = 3; 0.70 against 0.69 ms at n_ang = 2). ``auto`` serves the
+#: force step, so the Triton path is taken where its force step is the fastest:
+#: strict fp32 at n_ang = 3, on the Gluon FMA kernel (8bd266f: 203.1 against 228.1 ms
+#: for the einsum at 4096 atoms, 33.7 against 34.7 at 512; forward 0.645 against
+#: 0.973 ms). In TF32 both its forward (0.284 against 0.238 ms) and its force step
+#: (170.3 against 166.2 ms at 4096 atoms) lose to the dense GEMM. Not measured, so
+#: left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
 #: (dtype, n_ang) where ``auto`` takes the Triton path on CUDA (when Triton has
 #: Gluon: without it the strict-fp32 forward is the slower Triton kernel).
