@@ -25,7 +25,10 @@ step of 16 inputs:
 2. each mode is stored to shared memory transposed, ``[k][row]``, and W's
    ``[k][o]`` tile beside it (rows of W with O contiguous: 16-byte loads and stores);
 3. after one barrier every warp runs ``16 x 3`` rank-1 updates from shared memory
-   (:func:`fma_dot`), while the next step's global loads are in flight.
+   (:func:`fma_dot`). The source issues the next step's global loads first, but
+   ptxas sinks them below the FMAs, and the buffers' shared allocation costs six
+   barriers per step; a loop rebuilt to keep loads in flight and one barrier per
+   step was no faster (chapter 2, history ``session9_fma_v_*.csv``).
 
 Launch: 8 x 4 tiles (lanes 4 along rows, 8 along outputs) and at most 168 registers
 per thread, so that three programs share an SM (ptxas spills 16 bytes); chapter 2's
@@ -235,7 +238,7 @@ def _eqlin_fwd_fma_kernel(
         s = (it % 2) * 3
         nx = ((it + 1) % 2) * 3
         k1 = (it + 1) * BK
-        # the next step's loads (masked off after the last) fly during the FMAs
+        # the next step's loads (masked off after the last), issued before the FMAs
         xr = _load_x(x_ptrs, x_mask, x_k, k1, K, EVEN_K)
         w0, w1, w2 = _load_w(
             w_ptr, k1, o0, K, O, stride_wm, stride_wk, BK, BO, num_warps
