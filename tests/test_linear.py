@@ -137,8 +137,8 @@ def test_weight_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
 
 @pytest.mark.parametrize("n_ang", [1, 3, 5])
 def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
-    """Strict fp32 on CUDA takes the weight gradient from one GEMM per cos and sin:
-    its block diagonal is the gradient, exactly in fp64."""
+    """On CUDA (every dtype but fp64) the weight gradient is one GEMM per cos and
+    sin: its block diagonal is the gradient, exactly in fp64."""
     g = G(4)
     gc, gs = (
         torch.randn(41, 13, n_ang, generator=g, dtype=torch.float64) for _ in "cs"
@@ -150,6 +150,39 @@ def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
     assert rel_err(got, want) < 1e-12
     cpu = torch.zeros(2, 3, 3)
     assert not linear._bwd_w_by_gemm(cpu)  # CUDA only (and not fp64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_gradient_gemm_in_16_bit_sums_in_fp32(dtype, monkeypatch):
+    """16-bit inputs: the two GEMMs are summed in fp32 and rounded once (CUDA's
+    ``torch.mm(..., out_dtype=torch.float32)``); where torch's mm has no
+    ``out_dtype`` (a TypeError, here forced), each product is rounded to the input
+    dtype and widened. Both within 16-bit rounding of the fp64 gradient."""
+    g = G(5)
+    t64 = [torch.randn(300, 24, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+    want = torch.einsum("bom,bkm->mok", t64[0], t64[2]) + torch.einsum(
+        "bom,bkm->mok", t64[1], t64[3]
+    )
+    gc, gs, xc, xs = (t.to(dtype) for t in t64)
+    real_mm = torch.mm
+    seen = []
+
+    def mm(a, b, *args, **kwargs):  # the CPU has no mm(..., out_dtype): emulate it
+        if "out_dtype" in kwargs:
+            seen.append(kwargs["out_dtype"])
+            if len(seen) > 2:
+                raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+            return real_mm(a.float(), b.float())
+        return real_mm(a, b, *args)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    exact = linear._bwd_w_gemm(gc, gs, xc, xs)  # fp32 sums (emulated out_dtype)
+    rounded = linear._bwd_w_gemm(gc, gs, xc, xs)  # the fallback
+    assert seen == [torch.float32] * 4
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for got in (exact, rounded):
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        assert rel_err(got.double(), want) < tol
 
 
 def test_transposed_weight_is_copied_once_until_the_weight_changes():
