@@ -933,6 +933,8 @@ def eqlin_fwd(
     cfg = _config(x.dtype, "fwd")
     if cfg.fma:  # strict fp32: the Gluon FMA kernel, where it serves the call
         if linear_fma.fma_reason(x, w) is None:
+            if w.stride(1) != 1:  # it reads W with O contiguous: the kept W^T
+                w = _w_t_copy(w).transpose(1, 2)
             return linear_fma.fma_fwd(x, w, bias, cfg.fma)
         cfg = FP32_TRITON
     BB, BK, BO, warps, stages, split, bdot = cfg[:7]
@@ -1166,11 +1168,7 @@ class _EquivariantLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_cos, x_sin, weight)
         ctx.has_bias = bias is not None
         ctx.w_node = _grad_node(weight)
-        w = weight
-        if _config(x_cos.dtype).fma and linear_fma.fma_reason(x_cos, w) is None:
-            if w.stride(1) != 1:  # the FMA kernel reads W with O contiguous
-                w = _w_t_copy(w).transpose(1, 2)
-        return eqlin_fwd(x_cos, w, bias), eqlin_fwd(x_sin, w, None)
+        return eqlin_fwd(x_cos, weight, bias), eqlin_fwd(x_sin, weight, None)
 
     @staticmethod
     def backward(ctx, g_cos, g_sin):

@@ -185,6 +185,35 @@ def test_weight_gradient_gemm_in_16_bit_sums_in_fp32(dtype, monkeypatch):
         assert rel_err(got.double(), want) < tol
 
 
+def test_fma_forward_gets_the_kept_transposed_weight(monkeypatch):
+    """Where the Gluon FMA kernel serves a call, ``eqlin_fwd`` hands it W with O
+    contiguous: the one W^T that ``_w_t_copy`` keeps, the same tensor for the cos
+    and the sin call and for the next forward; an O-contiguous W (the input
+    backward's W^T) goes as it is. (The kernel itself is replaced: Gluon does not
+    run in the interpreter; its GPU tests are in test_linear_fma.py.)"""
+    seen = []
+
+    def fake_fma(x, w, bias, tile):
+        seen.append(w)
+        return reference.equivariant_linear(x, x, w, bias)[0]
+
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": linear.FP32_FMA)
+    monkeypatch.setattr(linear_fma, "fma_reason", lambda x, w: None)
+    monkeypatch.setattr(linear_fma, "fma_fwd", fake_fma)
+    x_c, x_s, w, b = (t.detach() for t in _args(20, 12, 10, 3))
+    want = reference.equivariant_linear(x_c, x_s, w, b)
+    for _ in range(2):
+        got = linear._EquivariantLinearFn.apply(x_c, x_s, w, b)
+        assert all(rel_err(g, r) < 1e-12 for g, r in zip(got, want, strict=True))
+    assert len(seen) == 4 and all(t.stride(1) == 1 for t in seen)
+    assert len({t.data_ptr() for t in seen}) == 1 and seen[0].data_ptr() != (
+        w.data_ptr()
+    )
+    w_t = w.transpose(1, 2)  # already O contiguous: read in place
+    linear.eqlin_fwd(torch.randn(5, 10, 3, dtype=w.dtype, device=w.device), w_t, None)
+    assert seen[-1] is w_t
+
+
 def test_transposed_weight_is_copied_once_until_the_weight_changes():
     """``_w_t_copy`` keeps one W^T per weight: the same tensor while the weight is
     unchanged, a fresh and correct copy after an in-place update, a separate copy
