@@ -452,6 +452,7 @@ def block_diagonal_gemm(
     if dev == "cuda" and ncu and "ncu" in todo:
         os.environ["ECEKERN_LINEAR_CONFIG"] = json.dumps(info.get("launch_configs", {}))
         info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv")
+        info["ncu_dense"] = run_ncu("eqlin_dense", out / "ncu_dense.csv")
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
     Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
     angs = [3] if quick else [2, 3, 4, 5]

@@ -87,6 +87,25 @@ def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     _in_range(lambda: linear._EquivariantLinearFn.apply(*x, w, b))
 
 
+def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
+    """The dense path's forward (cos and sin: the block-diagonal weight's assembly,
+    then cuBLAS) in strict fp32, TF32 and bf16, the same inputs as
+    :func:`eqlin_triton`: what the Triton kernel is up against."""
+    from ecekern import bench, linear
+
+    for dtype, tf32 in (
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+    ):
+        bench.set_tf32(tf32)
+        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
+        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
+        b = torch.randn(F, device="cuda", dtype=dtype)
+        _in_range(lambda x=x, w=w, b=b: linear._dense(*x, w, b))
+    bench.set_tf32(False)
+
+
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
     """The gather (backward) and the forward with the capture's chosen launch
     (``ECEKERN_ZONAL_CONFIG``), then each forward variant at its own best launch
@@ -124,6 +143,7 @@ TARGETS = {
     "gemm": gemm,
     "force_step": force_step,
     "eqlin_triton": eqlin_triton,
+    "eqlin_dense": eqlin_dense,
     "zonal_fused": zonal_fused,
 }
 
