@@ -58,16 +58,20 @@ ahead). Nsight Compute: low
 occupancy and warps waiting on loads; Gluon prototypes that keep W in shared memory,
 and a Triton one that loads x by TMA, were 2x slower; a Gluon one with the A operand
 in registers and one interleaved store runs at about this kernel's speed (chapter 2,
-not in the library). Strict fp32 at n_ang = 3 runs the Gluon kernel of
-:mod:`ecekern.linear_fma` instead (the Triton kernel's shared-memory loads were 77 %
-bank conflicts): 324 against 874 us (3f0d85e), faster than the einsum (0.64 against
-0.98 ms cos and sin at 47k). The input gradient reads W^T in place in strict fp32 and
-16-bit types and from a contiguous copy in TF32, where the in-place read cost 58 %
-(2026-11-30, one-run A/B); that copy, and the strict-fp32 forward's W with O
-contiguous, are one W^T kept per weight until it changes (``_w_t_copy``). The weight
-gradient is one GEMM per cos and sin on CUDA outside fp64 (``_bwd_w_gemm``), the
-Triton reduction elsewhere, and is not computed when the backward pass will not use
-it (forces).
+not in the library). In bf16 a Gluon prototype in which a ``wgmma`` against a 0/1
+matrix splits the modes, its accumulator then feeding the per-mode ``wgmma`` from
+registers, took 80 against 115 us (E = 47k, one of cos/sin; chapter 2, history
+``session10_pm_*``): faster than this kernel, still slower than the dense GEMM, and
+not in the library yet (bf16 only, K and O multiples of 64). Strict fp32 at n_ang = 3
+runs the Gluon kernel of :mod:`ecekern.linear_fma` instead (the Triton kernel's
+shared-memory loads were 77 % bank conflicts): 324 against 874 us (3f0d85e), faster than
+the einsum (0.64 against 0.98 ms cos and sin at 47k). The input gradient reads W^T in
+place in strict fp32 and 16-bit types and from a contiguous copy in TF32, where the
+in-place read cost 58 % (2026-11-30, one-run A/B); that copy, and the strict-fp32
+forward's W with O contiguous, are one W^T kept per weight until it changes
+(``_w_t_copy``). The weight gradient is one GEMM per cos and sin on CUDA outside fp64
+(``_bwd_w_gemm``), the Triton reduction elsewhere, and is not computed when the backward
+pass will not use it (forces).
 ``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
 the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
 """
