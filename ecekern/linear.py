@@ -100,7 +100,7 @@ except ImportError:  # no Triton wheels on this platform: reference paths only
     TensorDescriptor = None
 from torch import nn
 
-from . import linear_fma, options, reference
+from . import linear_fma, linear_tc, options, reference
 
 __all__ = ["EquivariantLinear", "equivariant_linear"]
 
@@ -856,6 +856,7 @@ class Config(NamedTuple):
     w_desc: bool = False  # forward: W by the bulk copy engine (tensor descriptor)
     join: bool = False  # forward, with store3: interleave by tl.join (n_ang 2-4)
     fma: str = ""  # strict-fp32 forward: the Gluon FMA kernel's register tile
+    tc: bool = False  # bf16 forward: the Gluon kernel of linear_tc where it serves
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -869,7 +870,9 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
             return FP32_FMA  # the Gluon kernel where it serves, else FP32_TRITON
         if dtype == torch.float32:  # TF32: prefetch, one joined store, W by descriptor
             return Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True)
-        return Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True)  # bf16
+        if dtype == torch.bfloat16:
+            return BF16_TC  # the modes split on the tensor cores, where it serves
+        return Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True)  # fp16
     # the weight-gradient kernel: on CUDA only fp64 runs it (above); every other
     # dtype takes the GEMM (``_bwd_w_by_gemm``) and reaches this launch only where a
     # benchmark forces the kernel
@@ -883,6 +886,12 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
 #: 8's run 3, history session8_fma2_*.csv; both one of cos/sin at E = 47k).
 FP32_FMA = Config(64, 16, 64, 4, 1, False, fma="8x4")
 FP32_TRITON = Config(64, 32, 64, 4, 2, SPLIT)
+#: bf16: the Gluon kernel of :mod:`ecekern.linear_tc` (the modes split by a
+#: ``wgmma`` against 0/1 matrices, W kept in shared memory) where it serves the call
+#: (n_ang = 3, K and O multiples of 64, K <= 256, contiguous x and w), else the
+#: Triton kernel at this launch (prefetch, W by descriptor; chapter 2's launch
+#: sweep). 68 against 114 us (E = 47k, one of cos/sin; history session10_pm_*).
+BF16_TC = Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True, tc=True)
 
 
 def _reads_w_t_in_place(dtype: torch.dtype) -> bool:
@@ -941,6 +950,10 @@ def eqlin_fwd(
                 w = _w_t_copy(w).transpose(1, 2)
             return linear_fma.fma_fwd(x, w, bias, cfg.fma)
         cfg = FP32_TRITON
+    if cfg.tc:  # bf16: the tensor cores split the modes, where the kernel serves
+        if linear_tc.tc_reason(x, w) is None:
+            return linear_tc.tc_fwd(x, w, bias)
+        cfg = cfg._replace(tc=False)
     BB, BK, BO, warps, stages, split, bdot = cfg[:7]
     # the launches are chosen at n_ang = 3; the accumulators and x tiles grow with
     # n_ang, so fewer rows per program keep the registers of one program about the
@@ -1138,6 +1151,16 @@ def _w_t_copy(weight: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------
+def _tc_input_backward(g: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the input backward (``g (B, O, n_ang)`` against W^T) can run the
+    kernel of :mod:`ecekern.linear_tc`, which takes W^T contiguous: then the
+    backward passes the kept copy (``_w_t_copy``)."""
+    n_ang, O, K = weight.shape
+    return _config(weight.dtype).tc and (
+        linear_tc.shape_reason(g.dtype, n_ang, O, K, g.device.type) is None
+    )
+
+
 def _grad_node(t: torch.Tensor):
     """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or for a
     leaf (a parameter) its ``AccumulateGrad`` node; None if t does not require grad."""
@@ -1190,8 +1213,11 @@ class _EquivariantLinearFn(torch.autograd.Function):
                     "bom,bkm->mok", g_sin, x_sin
                 )
         else:
-            if not _reads_w_t_in_place(weight.dtype) and any(ctx.needs_input_grad[:2]):
-                w_t = _w_t_copy(weight)  # TF32's wgmma wants W^T's tile K-major
+            if any(ctx.needs_input_grad[:2]) and (
+                not _reads_w_t_in_place(weight.dtype)
+                or _tc_input_backward(g_cos, weight)
+            ):  # TF32's wgmma wants W^T's tile K-major; linear_tc a contiguous W^T
+                w_t = _w_t_copy(weight)
             if ctx.needs_input_grad[0]:
                 dx_cos = eqlin_fwd(g_cos, w_t, None)
             if ctx.needs_input_grad[1]:

@@ -346,7 +346,8 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     picked the strided loads in every precision, at two pipelining stages: plain for
     the FMA dot of strict fp32; for TF32 with the next K step prefetched, one
     interleaved store built by ``tl.join`` and W through a tensor descriptor; for bf16
-    with the prefetch and the descriptor."""
+    with the prefetch and the descriptor, behind the Gluon kernel of linear_tc where
+    it serves (``tc``); fp16 the same Triton launch without it."""
     from ecekern import bench
 
     monkeypatch.setattr(linear, "INTERPRET", False)
@@ -364,7 +365,11 @@ def test_gpu_launch_per_precision_is_the_launch_sweeps_fastest(monkeypatch):
     assert strict == linear.FP32_FMA  # the Gluon kernel where it serves (n_ang = 3)
     assert linear.FP32_TRITON == linear.Config(64, 32, 64, 4, 2, False, False)
     assert tf32 == linear.Config(64, 32, 64, 4, 2, False, False, True, True, True, True)
-    assert bf16 == linear.Config(64, 32, 64, 4, 2, False, False, True, False, True)
+    assert bf16 == linear.BF16_TC and bf16.tc
+    assert bf16._replace(tc=False) == linear.Config(
+        64, 32, 64, 4, 2, False, False, True, False, True
+    )
+    assert linear._config(torch.float16) == bf16._replace(tc=False)
     # the weight-gradient kernel serves fp64 on CUDA; the rest take the GEMM
     assert linear._config(torch.float64, "bwd_w") == linear.Config(
         32, 16, 32, 4, linear.STAGES, False

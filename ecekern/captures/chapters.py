@@ -581,7 +581,7 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     n_ang = 3 in fp32, TF32 and bf16: each timed and checked against float64 (one of
     cos/sin). The fastest per precision is kept for the rest of the capture (by
     replacing ``linear._config``) and returned, by dtype label."""
-    from .. import linear, linear_fma, reference
+    from .. import linear, linear_fma, linear_tc, reference
 
     E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -635,6 +635,10 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         )
         for t in linear_fma.TILES
     ]
+    # bf16 only: the Gluon kernel that splits the modes on the tensor cores
+    runs.append(
+        ("bfloat16", False, "tc", (64, 64, 64, 4), linear_tc.STAGES, linear.BF16_TC)
+    )
     for dt, tf32, name, tile, stages, cfg in runs:
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)

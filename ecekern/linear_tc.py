@@ -1,0 +1,369 @@
+"""EquivariantLinear's bf16 forward on the tensor cores, with the modes split by the
+tensor cores themselves, written in Gluon.
+
+``y[b, o, m] = sum_k x[b, k, m] w[m, o, k] (+ bias[o] at m = 0)`` for ``x (B, K, 3)``
+contiguous, ``w (3, O, K)`` contiguous (the forward's W; the input backward's W^T
+through the copy that ``linear._w_t_copy`` keeps), ``y (B, O, 3)`` contiguous; bf16
+in and out, fp32 accumulation.
+
+Why: one mode of x is every third value of a row, and neither the bulk copy engine
+(TMA strides apply to whole rows only) nor a ``wgmma`` (its operands are contiguous
+along K) takes it as it lies. Splitting the modes through registers and shared memory
+kept the L1/shared pipe 82 % busy and the tensor pipe 10 % (chapter 2). Here the split
+is itself a product: for a group of 16 inputs (48 interleaved columns) and the 0/1
+matrix ``P[3 f + m, 16 m + f] = 1`` (``mode_split_matrices``; 48 x 64, the last 16
+columns zero), ``X P`` holds mode 0's 16 inputs in its first 16 columns, mode 1's in
+the next 16, mode 2's in the 16 after. It is exact in bf16 with fp32 accumulation
+(each output is one input times one) and it lands in a ``wgmma`` accumulator, whose
+registers, rounded to bf16 and split in place, are the A operand of the per-mode
+``wgmma`` (the reuse FlashAttention-3 makes of its probabilities): the modes never
+pass through shared memory a second time. The permutation costs as many tensor-core
+operations as the products it feeds.
+
+One program owns a block of ``BO = 64`` outputs of every mode and keeps that slice of
+W (``3 x 64 x K``, 72 KB at K = 192) in shared memory for its life, loaded once by TMA;
+x streams through a ring of ``STAGES`` K steps of 64 inputs (three interleaved
+``[64, 64]`` boxes each, by TMA, zero past the last row) across the program's row
+blocks, so the copy engine runs ahead of the tensor cores from one row block into the
+next. Per K step, four groups of 16 inputs: three ``wgmma`` against P, then three
+per-mode ``wgmma`` (one per mode, A from registers, B W's ``[64, 16]`` slice), the
+next group's permutation queued before this group's products. After a row block's
+last K step its three accumulators are joined and stored, bias on the m = 0 slot.
+One warpgroup, one program per SM (its registers and shared memory).
+
+Measured on the H200 (chapter 2, history ``session10_pm_*``; E = 47k, F = 192, one of
+cos and sin): 68 us against 114 for the Triton kernel of :mod:`ecekern.linear` and
+58 for cuBLAS's dense GEMM alone.
+
+Scope: bf16, n_ang = 3, K and O multiples of 64 with K <= 256 (W's slice and the ring
+share the shared memory), contiguous x and w with 16-byte aligned bases, a CUDA device
+with Gluon and host-side tensor descriptors.
+:func:`tc_reason` says why a call cannot be served, and
+:func:`ecekern.linear.eqlin_fwd` then runs the Triton kernel, which serves every case.
+Gluon does not run in Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
+    gluon = gl = None
+
+__all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
+
+#: Outputs per program (each mode), rows per program, inputs per K step.
+BLOCK_O, BLOCK_B, BLOCK_K = 64, 64, 64
+#: K steps of x in flight (the ring); 4 measured fastest of 3 and 4 (history
+#: session10_pm_a453d90.csv); 5 fits the shared memory and was not measured.
+STAGES = 4
+
+
+# --------------------------------------------------------------------------------------
+# the permutation, on the host
+# --------------------------------------------------------------------------------------
+def mode_split_matrices(dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    """The 0/1 matrix P of one group of 16 inputs as its three 16-row slices,
+    ``(3, 64, 16)`` with ``S[j, 16 m + f, c] = 1`` where ``16 j + c = 3 f + m``: slice
+    j, transposed, is the B operand for columns ``16 j .. 16 j + 15`` of the group
+    (K contiguous). ``x_group (rows, 48) @ P`` puts input f of mode m in column
+    ``16 m + f`` and leaves columns 48-63 zero."""
+    s = torch.zeros(3, 64, 16, dtype=dtype, device=device)
+    for f in range(16):
+        for m in range(3):
+            j, c = divmod(3 * f + m, 16)
+            s[j, 16 * m + f, c] = 1
+    return s
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+def _jit(fn):
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@_jit
+def _x_slice(xs, s, col: gl.constexpr):
+    """Columns ``col .. col + 15`` of stage s's three ``[64, 64]`` boxes of x."""
+    return xs.index(3 * s + col // 64).slice(col % 64, 16, dim=1)
+
+
+@_jit
+def _split_modes(xs, ps, s, g: gl.constexpr, zero):
+    """``X_g P`` for input group g of stage s, ``[64, 64]`` (modes in columns
+    0-15, 16-31, 32-47), as three queued ``wgmma``."""
+    acc = warpgroup_mma(
+        _x_slice(xs, s, 48 * g), ps.index(0).permute((1, 0)), zero,
+        use_acc=False, is_async=True,
+    )  # fmt: skip
+    acc = warpgroup_mma(
+        _x_slice(xs, s, 48 * g + 16), ps.index(1).permute((1, 0)), acc, is_async=True
+    )
+    acc = warpgroup_mma(
+        _x_slice(xs, s, 48 * g + 32), ps.index(2).permute((1, 0)), acc, is_async=True
+    )
+    return acc
+
+
+@_jit
+def _column_blocks(t, BB: gl.constexpr):
+    """``[BB, 64]`` as four ``[BB, 16]`` column blocks; splits along the register
+    axis of the accumulator layout, so no value leaves its thread."""
+    t = t.reshape([BB, 2, 2, 16]).permute((0, 3, 1, 2))
+    a, b = gl.split(t)
+    q0, q2 = gl.split(a)
+    q1, q3 = gl.split(b)
+    return q0, q1, q2, q3
+
+
+@_jit
+def _products(
+    pq, ws, kk, g: gl.constexpr, acc0, acc1, acc2, use,
+    a_l: gl.constexpr, BB: gl.constexpr, NKB: gl.constexpr,
+):  # fmt: skip
+    """The three modes' ``wgmma`` of input group g: A the split modes (registers,
+    bf16), B W's ``[BO, 16]`` slice of K box kk; ``use`` False starts a row block."""
+    q0, q1, q2, _ = _column_blocks(pq.to(gl.bfloat16), BB)
+    b0 = ws.index(kk).slice(16 * g, 16, dim=1).permute((1, 0))
+    b1 = ws.index(NKB + kk).slice(16 * g, 16, dim=1).permute((1, 0))
+    b2 = ws.index(2 * NKB + kk).slice(16 * g, 16, dim=1).permute((1, 0))
+    acc0 = warpgroup_mma(
+        gl.convert_layout(q0, a_l), b0, acc0, use_acc=use, is_async=True
+    )
+    acc1 = warpgroup_mma(
+        gl.convert_layout(q1, a_l), b1, acc1, use_acc=use, is_async=True
+    )
+    acc2 = warpgroup_mma(
+        gl.convert_layout(q2, a_l), b2, acc2, use_acc=use, is_async=True
+    )
+    return acc0, acc1, acc2
+
+
+@_jit
+def _load_x(
+    x_desc, xs, bar, t, pid_r, nprog_r, NKB: gl.constexpr, STAGES: gl.constexpr, pred
+):
+    """Step t of this program (row block ``t // NKB``, K box ``t % NKB``) into its
+    stage: three TMA boxes signalling the stage's barrier."""
+    s = t % STAGES
+    rb = pid_r + (t // NKB) * nprog_r
+    kk = t % NKB
+    mbarrier.expect(bar.index(s), 3 * x_desc.block_type.nbytes, pred=pred)
+    for b in gl.static_range(3):
+        tma.async_copy_global_to_shared(
+            x_desc, [rb * 64, 192 * kk + 64 * b], bar.index(s), xs.index(3 * s + b),
+            pred=pred,
+        )  # fmt: skip
+
+
+@_jit
+def _eqlin_fwd_tc_kernel(
+    x_desc,
+    w_desc,
+    p_ptr,
+    b_ptr,
+    y_ptr,
+    B,
+    O,
+    stride_yb,
+    n_rb,
+    HAS_BIAS: gl.constexpr,
+    BO: gl.constexpr,
+    NKB: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BB: gl.constexpr = 64
+    dt: gl.constexpr = gl.bfloat16
+    ob = gl.program_id(0)
+    pid_r = gl.program_id(1)
+    nprog_r = gl.num_programs(1)
+    o0 = ob * BO
+
+    xs = gl.allocate_shared_memory(dt, [3 * STAGES, BB, 64], x_desc.layout)
+    ws = gl.allocate_shared_memory(dt, [3 * NKB, BO, 64], w_desc.layout)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], dt)
+    ps = gl.allocate_shared_memory(dt, [3, 64, 16], p_sl)
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    wbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+    mbarrier.init(wbar.index(0), count=1)
+
+    # 1. this program's slice of W, once: mode m, K box kb -> ws[m NKB + kb]
+    mbarrier.expect(wbar.index(0), 3 * NKB * w_desc.block_type.nbytes)
+    for m in gl.static_range(3):
+        for kb in gl.static_range(NKB):
+            tma.async_copy_global_to_shared(
+                w_desc, [m * O + o0, 64 * kb], wbar.index(0), ws.index(m * NKB + kb)
+            )
+    # the three slices of P
+    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
+    pn = gl.arange(0, 64, layout=gl.SliceLayout(1, pl))[:, None]
+    pc = gl.arange(0, 16, layout=gl.SliceLayout(0, pl))[None, :]
+    for j in gl.static_range(3):
+        ps.index(j).store(gl.load(p_ptr + j * 1024 + pn * 16 + pc))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # 2. the ring: STAGES - 1 steps in flight before the first is used
+    total = gl.cdiv(n_rb - pid_r, nprog_r) * NKB
+    for t0 in gl.static_range(STAGES - 1):
+        _load_x(x_desc, xs, bar, t0, pid_r, nprog_r, NKB, STAGES, t0 < total)
+    mbarrier.wait(wbar.index(0), 0)
+
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BO, 16]
+    )
+    p_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    st_l: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
+    )
+    zero = gl.zeros([BB, 64], gl.float32, layout=p_l)
+    acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
+    acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
+    acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
+    for t in range(total):
+        s = t % STAGES
+        kk = t % NKB
+        mbarrier.wait(bar.index(s), (t // STAGES) & 1)
+        # 3. four groups: at most two permutations and one set of products queued,
+        # waited for oldest first (wgmma groups retire in order)
+        p0 = _split_modes(xs, ps, s, 0, zero)
+        p1 = _split_modes(xs, ps, s, 1, zero)
+        p0 = warpgroup_mma_wait(3, deps=[p0])
+        acc0, acc1, acc2 = _products(
+            p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB
+        )
+        p2 = _split_modes(xs, ps, s, 2, zero)
+        p1 = warpgroup_mma_wait(6, deps=[p1])
+        acc0, acc1, acc2 = _products(
+            p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB
+        )
+        p3 = _split_modes(xs, ps, s, 3, zero)
+        p2 = warpgroup_mma_wait(6, deps=[p2])
+        acc0, acc1, acc2 = _products(
+            p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB
+        )
+        p3 = warpgroup_mma_wait(3, deps=[p3])
+        acc0, acc1, acc2 = _products(
+            p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB
+        )
+        acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
+        gl.thread_barrier()  # every warp is done with stage s: the ring refills it
+        _load_x(
+            x_desc, xs, bar, t + STAGES - 1, pid_r, nprog_r, NKB, STAGES,
+            t + STAGES - 1 < total,
+        )  # fmt: skip
+        if kk == NKB - 1:  # 4. the row block's y: the modes joined, one store
+            rb = pid_r + (t // NKB) * nprog_r
+            t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
+            t4 = gl.convert_layout(t4, st_l)
+            r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+            c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
+            mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+            mm = mm[None, None, :]
+            rows = rb.to(gl.int64) * BB + r[:, None, None]
+            cols = o0 + c[None, :, None]
+            if HAS_BIAS:
+                bias = gl.load(b_ptr + o0 + c, mask=o0 + c < O, other=0.0)
+                t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
+            gl.store(
+                y_ptr + rows * stride_yb + cols * 3 + mm,
+                t4.to(dt),
+                mask=(rows < B) & (cols < O) & (mm < 3),
+            )
+
+
+# --------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------
+_P: dict = {}
+_SMS: dict = {}
+
+
+#: The largest K: W's slice (24 KB per 64 inputs) and the ring of x share the SM's
+#: shared memory (offline sm_90 builds: 219 KB at K = 256, 244 KB at 320).
+MAX_K = 256
+
+
+def shape_reason(
+    dtype: torch.dtype, n_ang: int, K: int, O: int, device_type: str
+) -> str | None:
+    """Why the kernel cannot serve a call of this dtype, n_ang, K (inputs), O
+    (outputs) and device, before any tensor is looked at; None when it can."""
+    if gluon is None:
+        return "this Triton has no Gluon"
+    if dtype != torch.bfloat16:
+        return f"{dtype}: the kernel is bf16 only"
+    if n_ang != 3:
+        return f"n_ang = {n_ang}: the mode split is written for 3"
+    if K % BLOCK_K or O % BLOCK_O or K == 0 or O == 0:
+        return f"K = {K}, O = {O}: both must be positive multiples of 64"
+    if K > MAX_K:
+        return f"K = {K} > {MAX_K}: W's slice would not fit in shared memory"
+    if device_type != "cuda":
+        return "not a CUDA tensor"
+    return None
+
+
+def tc_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why :func:`tc_fwd` cannot serve ``x (B, K, n_ang)``, ``w (n_ang, O, K)``, or
+    None when it can."""
+    reason = shape_reason(x.dtype, x.shape[2], x.shape[1], w.shape[1], x.device.type)
+    if reason is not None:
+        return reason
+    if w.dtype != x.dtype or w.device != x.device:
+        return "w's dtype or device is not x's"
+    if not x.is_contiguous() or not w.is_contiguous():
+        return "x or w is not contiguous"
+    if x.data_ptr() % 16 or w.data_ptr() % 16:
+        return "x or w is not 16-byte aligned"
+    return None
+
+
+def tc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y (B, O, 3)`` for ``x (B, K, 3)``, ``w (3, O, K)``, ``bias (O,)`` or None, all
+    bf16: the forward, or the input backward with ``w`` the contiguous W^T."""
+    reason = tc_reason(x, w)
+    if reason is not None:
+        raise ValueError(f"tc_fwd cannot serve this call: {reason}")
+    B, K, _ = x.shape
+    O = w.shape[1]
+    y = torch.empty((B, O, 3), device=x.device, dtype=x.dtype)
+    if B == 0:
+        return y
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _P:
+        _P[dev] = mode_split_matrices(torch.bfloat16, x.device).contiguous()
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    lx = gl.NVMMASharedLayout.get_default_for([BLOCK_B, 64], gl.bfloat16)
+    lw = gl.NVMMASharedLayout.get_default_for([BLOCK_O, 64], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, 64], lx)
+    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, 64], lw)
+    n_ot, n_rb = O // BLOCK_O, triton.cdiv(B, BLOCK_B)
+    # one program per SM: each output block gets a share of the SMs, its programs
+    # walk the row blocks
+    grid = (n_ot, max(1, min(n_rb, _SMS[dev] // n_ot)))
+    _eqlin_fwd_tc_kernel[grid](
+        x_desc, w_desc, _P[dev], bias if bias is not None else w, y, B, O,
+        y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=BLOCK_O, NKB=K // BLOCK_K,
+        STAGES=STAGES, num_warps=4,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,177 @@
+"""The bf16 forward whose modes are split on the tensor cores (ecekern.linear_tc,
+Gluon): the 0/1 matrices that do the split, which calls the kernel serves, how the
+library hands it W and W^T, and its results against float64 (on a GPU: Gluon does not
+run in Triton's CPU interpreter)."""
+
+import pytest
+import torch
+
+from ecekern import linear, linear_tc, reference
+from ecekern.testing import rel_err
+
+CUDA = torch.cuda.is_available() and not linear.INTERPRET
+
+
+def _xw(B, K, O, n=3, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, K, n, generator=g, dtype=torch.float64)
+    w = torch.randn(n, O, K, generator=g, dtype=torch.float64) / K**0.5
+    b = torch.randn(O, generator=g, dtype=torch.float64)
+    return [t.to(device, dtype) for t in (x, w, b)]
+
+
+def test_mode_split_matrices_take_the_modes_apart_exactly():
+    """One group of 16 inputs, 48 interleaved columns, times P (its three 16-row
+    slices stacked): mode m's 16 inputs in columns 16 m .. 16 m + 15, zeros after
+    column 47, each value exactly once (fp64 and bf16 alike)."""
+    for dtype in (torch.float64, torch.bfloat16):
+        s = linear_tc.mode_split_matrices(dtype)
+        assert s.shape == (3, 64, 16) and s.dtype == dtype
+        p = torch.cat([s[j].t() for j in range(3)])  # (48, 64): rows 16 j + c
+        assert torch.equal(p.sum(1), torch.ones(48, dtype=dtype))
+        x = torch.randn(7, 16, 3, dtype=torch.float64).to(dtype)  # (rows, f, m)
+        got = x.reshape(7, 48) @ p
+        for m in range(3):
+            assert torch.equal(got[:, 16 * m : 16 * m + 16], x[:, :, m])
+        assert not got[:, 48:].any()
+
+
+@pytest.mark.skipif(linear_tc.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda x, w: (x.float(), w.float()), "bf16 only"),
+        (lambda x, w: (x.half(), w.half()), "bf16 only"),
+        (lambda x, w: (x[..., :2], w[:2]), "n_ang = 2"),
+        (lambda x, w: (x[:, :48], w[:, :, :48]), "multiples of 64"),
+        (lambda x, w: (x, w[:, :32]), "multiples of 64"),
+        (lambda x, w: (torch.cat([x] * 5, 1), torch.cat([w] * 5, 2)), "shared memory"),
+        (lambda x, w: (x, w), "not a CUDA tensor"),
+    ],
+    ids=["fp32", "fp16", "n_ang2", "K48", "O32", "K320", "cpu"],
+)
+def test_reason_names_what_the_kernel_cannot_serve(change, reason):
+    x, w, _ = _xw(5, 64, 64)
+    x, w = change(x, w)
+    got = linear_tc.tc_reason(x, w)
+    assert got is not None and reason in got
+    with pytest.raises(ValueError, match="cannot serve"):
+        linear_tc.tc_fwd(x, w, None)
+
+
+def test_bf16_forward_and_input_backward_hand_the_kernel_contiguous_weights(
+    monkeypatch,
+):
+    """Where the kernel serves, ``eqlin_fwd`` gives it W as it lies (contiguous) and
+    the input backward the one W^T that ``_w_t_copy`` keeps; where it does not
+    (K = 48), the Triton launch runs with the ``tc`` switch off. The kernels are
+    replaced (Gluon does not run in the interpreter): linear_tc by the reference,
+    the Triton kernel by a recorder."""
+    seen, launches = [], []
+
+    def fake_tc(x, w, bias):
+        seen.append(w)
+        return reference.equivariant_linear(x, x, w, bias)[0]
+
+    class FakeTriton:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": linear.BF16_TC)
+    monkeypatch.setattr(linear_tc, "tc_reason", lambda x, w: None)
+    monkeypatch.setattr(linear_tc, "shape_reason", lambda *a: None)
+    monkeypatch.setattr(linear_tc, "tc_fwd", fake_tc)
+    monkeypatch.setattr(linear, "_eqlin_fwd_kernel", FakeTriton())
+    x_c, w, b = _xw(6, 64, 64, dtype=torch.float64)
+    x_s = _xw(6, 64, 64, dtype=torch.float64, seed=1)[0]
+    x_c.requires_grad_(True)
+    y_c, y_s = linear._EquivariantLinearFn.apply(x_c, x_s, w, b)
+    want = reference.equivariant_linear(x_c.detach(), x_s, w, b)
+    assert rel_err(y_c, want[0]) < 1e-12 and rel_err(y_s, want[1]) < 1e-12
+    assert len(seen) == 2 and all(t is w for t in seen) and not launches
+    (g,) = torch.autograd.grad(y_c.sum() + y_s.sum(), x_c)
+    assert len(seen) == 3 and seen[2] is linear._w_t_copy(w)
+    assert seen[2].is_contiguous() and seen[2].shape == (3, 64, 64)
+    x_ref = x_c.detach().requires_grad_(True)
+    r_c, r_s = reference.equivariant_linear(x_ref, x_s, w, b)
+    (g_ref,) = torch.autograd.grad(r_c.sum() + r_s.sum(), x_ref)
+    assert rel_err(g, g_ref) < 1e-12
+    monkeypatch.setattr(linear_tc, "tc_reason", lambda x, w: "K = 48")
+    linear.eqlin_fwd(x_s[:, :48].contiguous(), w[:, :, :48].contiguous(), b)
+    assert len(seen) == 3 and len(launches) == 1 and launches[0]["BLOCK_K"] == 32
+
+
+def _bf16_truth(x, w, b):
+    return reference.equivariant_linear(
+        x.double(), x.double(), w.double(), None if b is None else b.double()
+    )[0]
+
+
+SIZES = [(1, 64, 64), (63, 64, 128), (130, 128, 64), (4999, 192, 192), (3, 256, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("B, K, O", SIZES)
+def test_gpu_tc_forward_matches_float64(B, K, O, bias, monkeypatch):
+    """Against float64 of the same bf16 inputs: within the output's bf16 rounding,
+    and as close as the Triton kernel it replaced gets."""
+    x, w, b = _xw(B, K, O, device="cuda")
+    b = b if bias else None
+    assert linear_tc.tc_reason(x, w) is None
+    y = linear_tc.tc_fwd(x, w, b)
+    assert y.shape == (B, O, 3) and y.dtype == torch.bfloat16
+    truth = _bf16_truth(x, w, b)
+    err = rel_err(y.double(), truth)
+    saved = linear._config
+    monkeypatch.setattr(
+        linear, "_config", lambda d, kind="fwd": saved(d, kind)._replace(tc=False)
+    )
+    err_triton = rel_err(linear.eqlin_fwd(x, w, b).double(), truth)
+    assert err < 4e-3 and err < 1.5 * err_triton + 1e-4, (err, err_triton)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(monkeypatch):
+    """The library's bf16 path runs linear_tc (forward and input backward) at the
+    model's width, and agrees with the Triton kernel it replaced to within bf16
+    rounding of the output; gradients against float64."""
+    x_c, w, b = _xw(4999, 192, 192, device="cuda")
+    x_s = _xw(4999, 192, 192, device="cuda", seed=1)[0]
+    calls = []
+    real = linear_tc.tc_fwd
+    monkeypatch.setattr(
+        linear_tc, "tc_fwd", lambda *a: calls.append(a[1].shape) or real(*a)
+    )
+    x_c.requires_grad_(True)
+    y_c, y_s = linear._EquivariantLinearFn.apply(x_c, x_s, w, b)
+    (gx,) = torch.autograd.grad((y_c.float() ** 2).sum() + y_s.float().sum(), x_c)
+    assert len(calls) == 3  # cos, sin, the input backward of cos (sin needs none)
+    saved = linear._config
+    monkeypatch.setattr(
+        linear, "_config", lambda d, kind="fwd": saved(d, kind)._replace(tc=False)
+    )
+    t_c = linear.eqlin_fwd(x_c.detach(), w, b)
+    assert rel_err(y_c.double(), t_c.double()) < 8e-3
+    x64 = x_c.detach().double().requires_grad_(True)
+    r_c, r_s = reference.equivariant_linear(x64, x_s.double(), w.double(), b.double())
+    (g64,) = torch.autograd.grad((r_c**2).sum() + r_s.sum(), x64)
+    assert rel_err(gx.double(), g64) < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_bf16_calls_it_cannot_serve_run_the_triton_kernel(monkeypatch):
+    """K = 96 and a non-contiguous x: the Triton kernel, correct, and linear_tc is
+    not called."""
+    monkeypatch.setattr(
+        linear_tc, "tc_fwd", lambda *a: pytest.fail("linear_tc ran where it cannot")
+    )
+    for B, K, O, mangle in ((300, 96, 64, False), (300, 64, 64, True)):
+        x, w, b = _xw(B, K, O, device="cuda")
+        if mangle:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        y = linear.eqlin_fwd(x, w, b)
+        assert rel_err(y.double(), _bf16_truth(x, w, b)) < 4e-3
