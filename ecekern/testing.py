@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "ATOL",
     "assert_close_three_way",
+    "linear_args",
     "random_rotation",
     "rel_err",
     "rotated_atoms",
@@ -25,6 +26,17 @@ ATOL = {
     torch.bfloat16: 1e-2,
     torch.float16: 1e-3,
 }
+
+
+def linear_args(B, K, O, n=3, dtype=torch.float32, device="cpu", seed=0):
+    """``x (B, K, n)``, ``w (n, O, K)`` scaled by ``K^-1/2`` and ``b (O,)`` for one
+    EquivariantLinear call: drawn in float64 from a seeded generator, then cast, so
+    that every dtype and device sees the same values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, K, n, generator=g, dtype=torch.float64)
+    w = torch.randn(n, O, K, generator=g, dtype=torch.float64) / K**0.5
+    b = torch.randn(O, generator=g, dtype=torch.float64)
+    return [t.to(device, dtype) for t in (x, w, b)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

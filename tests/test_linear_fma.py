@@ -6,17 +6,13 @@ import pytest
 import torch
 
 from ecekern import bench, linear, linear_fma, reference
-from ecekern.testing import rel_err
+from ecekern.testing import linear_args, rel_err
 
 CUDA = torch.cuda.is_available() and not linear.INTERPRET
 
 
 def _xw(B, K, O, n=3, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, K, n, generator=g, dtype=torch.float64)
-    w = torch.randn(n, O, K, generator=g, dtype=torch.float64) / K**0.5
-    b = torch.randn(O, generator=g, dtype=torch.float64)
-    return [t.to(device, dtype) for t in (x, w, b)]
+    return linear_args(B, K, O, n, dtype, device, seed)
 
 
 @pytest.mark.skipif(linear_fma.gluon is None, reason="this Triton has no Gluon")

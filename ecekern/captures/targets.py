@@ -46,6 +46,25 @@ def force_step(repeats: int = 4):
     _in_range(lambda: step(model, *inputs))
 
 
+def _eqlin_inputs(E: int, F: int, n_ang: int):
+    """``([x_cos, x_sin], w, b)`` on the GPU in strict fp32, TF32 and bf16, with TF32
+    switched on for its turn and off after: the inputs of the EquivariantLinear
+    targets."""
+    from ecekern import bench
+
+    for dtype, tf32 in (
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+    ):
+        bench.set_tf32(tf32)
+        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
+        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
+        b = torch.randn(F, device="cuda", dtype=dtype)
+        yield x, w, b
+    bench.set_tf32(False)
+
+
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The Triton forward (cos and sin) in strict fp32, TF32 and bf16, each at the
     capture's chosen launch (``ECEKERN_LINEAR_CONFIG``, by dtype label), then strict
@@ -65,17 +84,8 @@ def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
         return default(dtype, kind)
 
     linear._config = pick
-    for dtype, tf32 in (
-        (torch.float32, False),
-        (torch.float32, True),
-        (torch.bfloat16, False),
-    ):
-        bench.set_tf32(tf32)
-        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
-        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
-        b = torch.randn(F, device="cuda", dtype=dtype)
+    for x, w, b in _eqlin_inputs(E, F, n_ang):
         _in_range(lambda x=x, w=w, b=b: linear._EquivariantLinearFn.apply(*x, w, b))
-    bench.set_tf32(False)
     # strict fp32 once more with the Triton kernel (tl.dot on the FMA units), which
     # the Gluon kernel of ecekern.linear_fma replaced there: the last two kernels
     linear._config = lambda d, kind="fwd": (
@@ -91,19 +101,10 @@ def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The dense path's forward (cos and sin: the block-diagonal weight's assembly,
     then cuBLAS) in strict fp32, TF32 and bf16, the same inputs as
     :func:`eqlin_triton`: what the Triton kernel is up against."""
-    from ecekern import bench, linear
+    from ecekern import linear
 
-    for dtype, tf32 in (
-        (torch.float32, False),
-        (torch.float32, True),
-        (torch.bfloat16, False),
-    ):
-        bench.set_tf32(tf32)
-        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
-        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
-        b = torch.randn(F, device="cuda", dtype=dtype)
+    for x, w, b in _eqlin_inputs(E, F, n_ang):
         _in_range(lambda x=x, w=w, b=b: linear._dense(*x, w, b))
-    bench.set_tf32(False)
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
