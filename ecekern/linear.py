@@ -51,29 +51,28 @@ STORE3 (one interleaved store) and W_DESC (W by the bulk copy engine, pipelined 
 stages) followed, then JOIN (the interleaved tile built by ``tl.join``); chapter 2's
 launch sweep at c2b3968 chose 118 us (bf16, PREFETCH and W_DESC), 144 us (TF32, all
 four) and 874 us (strict fp32, none). Cos and sin together the path beats the einsum
-in every tensor-core cell of the sweep and loses to the dense GEMM in every one but
-bf16 at n_ang = 3 and 47k, where :mod:`ecekern.linear_tc` serves it (0.130 against
-0.131 ms; 0.901 against 0.811 at 365k) (TF32, n_ang = 3: 0.284 against 0.238 ms at
-47k; the dense rows re-taken at 51554fe: the
-older ones, from before the dense weight stopped being copied, had put this path 11 %
-ahead). Nsight Compute: low
-occupancy and warps waiting on loads; Gluon prototypes that keep W in shared memory,
-and a Triton one that loads x by TMA, were 2x slower; a Gluon one with the A operand
-in registers and one interleaved store runs at about this kernel's speed (chapter 2,
-not in the library). In bf16 a Gluon prototype in which a ``wgmma`` against a 0/1
-matrix splits the modes, its accumulator then feeding the per-mode ``wgmma`` from
-registers, took 80 against 115 us (E = 47k, one of cos/sin; chapter 2, history
-``session10_pm_*``): faster than this kernel, still slower than the dense GEMM, and
-not in the library yet (bf16 only, K and O multiples of 64). Strict fp32 at n_ang = 3
-runs the Gluon kernel of :mod:`ecekern.linear_fma` instead (the Triton kernel's
-shared-memory loads were 77 % bank conflicts): 324 against 874 us (3f0d85e), faster than
-the einsum (0.64 against 0.98 ms cos and sin at 47k). The input gradient reads W^T in
-place in strict fp32 and 16-bit types and from a contiguous copy in TF32, where the
-in-place read cost 58 % (2026-11-30, one-run A/B); that copy, and the strict-fp32
-forward's W with O contiguous, are one W^T kept per weight until it changes
-(``_w_t_copy``). The weight gradient is one GEMM per cos and sin on CUDA outside fp64
-(``_bwd_w_gemm``), the Triton reduction elsewhere, and is not computed when the backward
-pass will not use it (forces).
+in every tensor-core cell of the sweep and loses to the dense GEMM in every one but bf16
+at n_ang = 3 and 47k (TF32, n_ang = 3: 0.284 against 0.238 ms at 47k; the dense rows
+re-taken at 51554fe: the older ones, from before the dense weight stopped being copied,
+had put this path 11 % ahead). Nsight Compute: low occupancy and warps waiting on loads;
+Gluon prototypes that keep W in shared memory, and a Triton one that loads x by TMA,
+were 2x slower; a Gluon one with the A operand in registers and one interleaved store
+runs at about this kernel's speed (chapter 2, not in the library). bf16 at n_ang = 3 (K
+and O multiples of 64, K <= 256) runs the Gluon kernel of :mod:`ecekern.linear_tc`
+instead, in which a ``wgmma`` against 0/1 matrices splits the modes and its accumulator
+feeds the per-mode ``wgmma`` from registers: 67.6 against 114.5 us (launch sweep at
+bf7f103), 0.130 against 0.131 ms for the dense GEMM cos and sin at 47k, 0.901 against
+0.811 at 365k.
+Strict fp32 at n_ang = 3 runs the Gluon kernel of :mod:`ecekern.linear_fma` instead (the
+Triton kernel's shared-memory loads were 77 % bank conflicts): 324 against 874 us
+(3f0d85e), faster than the einsum (0.64 against 0.98 ms cos and sin at 47k). The input
+gradient reads W^T in place in strict fp32 and fp16 (and bf16 where linear_tc does not
+serve), and from a contiguous copy in TF32, where the in-place read cost 58 %
+(2026-11-30, one-run A/B), and for linear_tc, which takes W^T contiguous; that copy, and
+the strict-fp32 forward's W with O contiguous, are one W^T kept per weight until it
+changes (``_w_t_copy``). The weight gradient is one GEMM per cos and sin on CUDA outside
+fp64 (``_bwd_w_gemm``), the Triton reduction elsewhere, and is not computed when the
+backward pass will not use it (forces).
 ``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
 the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
 """
