@@ -899,7 +899,8 @@ def _reads_w_t_in_place(dtype: torch.dtype) -> bool:
     """Whether the input backward reads W^T where it lies (``_w_descriptor``'s mode
     2) or from a contiguous copy: a copy in TF32 (see ``_w_descriptor``). The one rule
     for the launcher and for the backward, which makes the copy once for cos and
-    sin."""
+    sin (the backward also copies where :mod:`ecekern.linear_tc` will read W^T,
+    ``_tc_input_backward``)."""
     return _precision(dtype)[0] != "tf32"
 
 

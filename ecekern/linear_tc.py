@@ -66,6 +66,9 @@ __all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
 
 #: Outputs per program (each mode), rows per program, inputs per K step.
 BLOCK_O, BLOCK_B, BLOCK_K = 64, 64, 64
+#: The largest K: W's slice (24 KB per 64 inputs) and the ring of x share the SM's
+#: shared memory (offline sm_90 builds: 219 KB at K = 256, 244 KB at 320).
+MAX_K = 256
 #: K steps of x in flight (the ring); 4 measured fastest of 3 and 4 (history
 #: session10_pm_a453d90.csv); 5 fits the shared memory and was not measured.
 STAGES = 4
@@ -294,13 +297,20 @@ def _eqlin_fwd_tc_kernel(
 # --------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------
-_P: dict = {}
-_SMS: dict = {}
+#: Per CUDA device, made on its first call: the 0/1 matrices there, its SM count,
+#: and the shared layout of a [64, 64] bf16 box (x's boxes and W's alike).
+_DEVICE: dict = {}
 
 
-#: The largest K: W's slice (24 KB per 64 inputs) and the ring of x share the SM's
-#: shared memory (offline sm_90 builds: 219 KB at K = 256, 244 KB at 320).
-MAX_K = 256
+def _device_state(x: torch.Tensor) -> tuple:
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _DEVICE:
+        _DEVICE[dev] = (
+            mode_split_matrices(torch.bfloat16, x.device).contiguous(),
+            torch.cuda.get_device_properties(dev).multi_processor_count,
+            gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
+        )
+    return _DEVICE[dev]
 
 
 def shape_reason(
@@ -349,20 +359,15 @@ def tc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     y = torch.empty((B, O, 3), device=x.device, dtype=x.dtype)
     if B == 0:
         return y
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _P:
-        _P[dev] = mode_split_matrices(torch.bfloat16, x.device).contiguous()
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    lx = gl.NVMMASharedLayout.get_default_for([BLOCK_B, 64], gl.bfloat16)
-    lw = gl.NVMMASharedLayout.get_default_for([BLOCK_O, 64], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, 64], lx)
-    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, 64], lw)
+    p, n_sms, box = _device_state(x)
+    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, 64], box)
+    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, 64], box)
     n_ot, n_rb = O // BLOCK_O, triton.cdiv(B, BLOCK_B)
     # one program per SM: each output block gets a share of the SMs, its programs
     # walk the row blocks
-    grid = (n_ot, max(1, min(n_rb, _SMS[dev] // n_ot)))
+    grid = (n_ot, max(1, min(n_rb, n_sms // n_ot)))
     _eqlin_fwd_tc_kernel[grid](
-        x_desc, w_desc, _P[dev], bias if bias is not None else w, y, B, O,
+        x_desc, w_desc, p, bias if bias is not None else w, y, B, O,
         y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=BLOCK_O, NKB=K // BLOCK_K,
         STAGES=STAGES, num_warps=4,
     )  # fmt: skip

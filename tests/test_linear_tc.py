@@ -171,3 +171,41 @@ def test_gpu_bf16_calls_it_cannot_serve_run_the_triton_kernel(monkeypatch):
             x = x.transpose(0, 1).contiguous().transpose(0, 1)
         y = linear.eqlin_fwd(x, w, b)
         assert rel_err(y.double(), _bf16_truth(x, w, b)) < 4e-3
+
+
+@pytest.mark.skipif(linear_tc.gluon is None, reason="this Triton has no Gluon")
+def test_launcher_grid_descriptors_and_device_state(monkeypatch):
+    """What ``tc_fwd`` hands the kernel, with the kernel replaced (it needs a GPU):
+    x as (B, 3K) and W as (3 O, K) in [64, 64] boxes, the 0/1 matrices, one program
+    per SM shared out over the output blocks (at least one row program each), and
+    the per-device state made once."""
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, args, meta))
+
+    class Props:
+        multi_processor_count = 132
+
+    made = []
+    monkeypatch.setattr(linear_tc, "_DEVICE", {})
+    monkeypatch.setattr(linear_tc, "tc_reason", lambda x, w: None)
+    monkeypatch.setattr(linear_tc, "_eqlin_fwd_tc_kernel", FakeKernel())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: made.append(d) or Props()
+    )
+    for B, K, O, want in ((4999, 192, 192, (3, 44)), (70, 64, 64, (1, 2))):
+        x, w, b = _xw(B, K, O)
+        y = linear_tc.tc_fwd(x, w, b)
+        grid, args, meta = launches[-1]
+        assert y.shape == (B, O, 3) and grid == want
+        x_desc, w_desc, p = args[:3]
+        assert list(x_desc.shape) == [B, 3 * K] and x_desc.block_shape == [64, 64]
+        assert list(w_desc.shape) == [3 * O, K] and w_desc.block_shape == [64, 64]
+        assert torch.equal(p, linear_tc.mode_split_matrices())
+        assert meta["NKB"] == K // 64 and meta["HAS_BIAS"]
+    assert made == [0]  # the device state is made once
+    assert linear_tc.tc_fwd(*_xw(0, 64, 64)[:2], None).shape == (0, 64, 3)
+    assert len(launches) == 2  # no rows, no launch
