@@ -64,30 +64,45 @@ except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
 
 __all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
 
-#: Outputs per program (each mode), rows per program, inputs per K step.
-BLOCK_O, BLOCK_B, BLOCK_K = 64, 64, 64
-#: The largest K: W's slice (24 KB per 64 inputs) and the ring of x share the SM's
-#: shared memory (offline sm_90 builds: 219 KB at K = 256, 244 KB at 320).
-MAX_K = 256
-#: K steps of x in flight (the ring); 4 measured fastest of 3 and 4 (history
-#: session10_pm_a453d90.csv); 5 fits the shared memory and was not measured.
-STAGES = 4
+#: Outputs per program (each mode), rows per program.
+BLOCK_O, BLOCK_B = 64, 64
+#: Per dtype: inputs per K step (4 groups; one box of x is 64 rows of 128 bytes),
+#: the largest K (W's slice, ``3 x 64 x K``, and the ring of x share the SM's shared
+#: memory; offline sm_90 builds: bf16 219 KB at K = 256, 244 KB at 320; TF32 ...),
+#: K steps of x in flight (bf16: 4 measured fastest of 3 and 4, history
+#: session10_pm_a453d90.csv).
+BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}
+MAX_K = {torch.bfloat16: 256, torch.float32: 192}
+STAGES = {torch.bfloat16: 4, torch.float32: 2}
+EPI = {torch.bfloat16: 0, torch.float32: 0}
 
 
 # --------------------------------------------------------------------------------------
 # the permutation, on the host
 # --------------------------------------------------------------------------------------
-def mode_split_matrices(dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
-    """The 0/1 matrix P of one group of 16 inputs as its three 16-row slices,
-    ``(3, 64, 16)`` with ``S[j, 16 m + f, c] = 1`` where ``16 j + c = 3 f + m``: slice
-    j, transposed, is the B operand for columns ``16 j .. 16 j + 15`` of the group
-    (K contiguous). ``x_group (rows, 48) @ P`` puts input f of mode m in column
-    ``16 m + f`` and leaves columns 48-63 zero."""
-    s = torch.zeros(3, 64, 16, dtype=dtype, device=device)
-    for f in range(16):
+def group_size(dtype: torch.dtype) -> int:
+    """Inputs per group G, the k of one ``wgmma``: 16 in bf16, 8 in TF32."""
+    return 16 if dtype == torch.bfloat16 else 8
+
+
+def mode_split_matrices(
+    dtype=torch.bfloat16, device="cpu", G: int | None = None
+) -> torch.Tensor:
+    """The 0/1 matrix P of one group of G inputs (``group_size``) as its three G-row
+    slices, ``(3, 4 G, G)`` with ``S[j, n, c] = 1`` where ``G j + c = 3 f + m`` and n
+    is the accumulator column of input f of mode m: slice j, transposed, is the B
+    operand for columns ``G j .. G j + G - 1`` of the group (K contiguous).
+    ``x_group (rows, 3 G) @ P`` puts mode m's inputs in columns ``G m .. G m + G - 1``
+    and leaves the last G columns zero: in order in bf16 (``n = 16 m + f``), in the
+    order of a TF32 ``wgmma``'s A registers in TF32 (``n = 8 m + 2 (f % 4) + f // 4``,
+    see ``_column_blocks``). G defaults to ``group_size(dtype)``."""
+    G = G or group_size(dtype)
+    s = torch.zeros(3, 4 * G, G, dtype=dtype, device=device)
+    for f in range(G):
         for m in range(3):
-            j, c = divmod(3 * f + m, 16)
-            s[j, 16 * m + f, c] = 1
+            j, c = divmod(3 * f + m, G)
+            n = G * m + (f if G == 16 else 2 * (f % 4) + f // 4)
+            s[j, n, c] = 1
     return s
 
 
@@ -99,33 +114,42 @@ def _jit(fn):
 
 
 @_jit
-def _x_slice(xs, s, col: gl.constexpr):
-    """Columns ``col .. col + 15`` of stage s's three ``[64, 64]`` boxes of x."""
-    return xs.index(3 * s + col // 64).slice(col % 64, 16, dim=1)
+def _x_slice(xs, s, col: gl.constexpr, G: gl.constexpr):
+    """Columns ``col .. col + G - 1`` of stage s's three ``[64, 4 G]`` boxes of x."""
+    return xs.index(3 * s + col // (4 * G)).slice(col % (4 * G), G, dim=1)
 
 
 @_jit
-def _split_modes(xs, ps, s, g: gl.constexpr, zero):
-    """``X_g P`` for input group g of stage s, ``[64, 64]`` (modes in columns
-    0-15, 16-31, 32-47), as three queued ``wgmma``."""
+def _split_modes(xs, ps, s, g: gl.constexpr, zero, G: gl.constexpr):
+    """``X_g P`` for input group g of stage s, ``[64, 4 G]`` (mode m's G inputs in
+    columns ``G m .. G m + G - 1``, in the order ``_column_blocks`` undoes), as three
+    queued ``wgmma``."""
     acc = warpgroup_mma(
-        _x_slice(xs, s, 48 * g), ps.index(0).permute((1, 0)), zero,
+        _x_slice(xs, s, 3 * G * g, G), ps.index(0).permute((1, 0)), zero,
         use_acc=False, is_async=True,
     )  # fmt: skip
-    acc = warpgroup_mma(
-        _x_slice(xs, s, 48 * g + 16), ps.index(1).permute((1, 0)), acc, is_async=True
-    )
-    acc = warpgroup_mma(
-        _x_slice(xs, s, 48 * g + 32), ps.index(2).permute((1, 0)), acc, is_async=True
-    )
+    for j in gl.static_range(1, 3):
+        acc = warpgroup_mma(
+            _x_slice(xs, s, 3 * G * g + G * j, G), ps.index(j).permute((1, 0)), acc,
+            is_async=True,
+        )  # fmt: skip
     return acc
 
 
 @_jit
-def _column_blocks(t, BB: gl.constexpr):
-    """``[BB, 64]`` as four ``[BB, 16]`` column blocks; splits along the register
-    axis of the accumulator layout, so no value leaves its thread."""
-    t = t.reshape([BB, 2, 2, 16]).permute((0, 3, 1, 2))
+def _column_blocks(t, BB: gl.constexpr, G: gl.constexpr):
+    """``[BB, 4 G]`` as four ``[BB, G]`` column blocks, each in the register order
+    of a ``wgmma`` A operand; splits along the register axis of the accumulator
+    layout, so no value leaves its thread.
+
+    bf16 (G = 16): block i is columns ``16 i .. 16 i + 15``. TF32 (G = 8): a thread
+    holds accumulator columns ``2 t, 2 t + 1`` of each 8, and A columns ``t, t + 4``,
+    so block i's column ``t + 4 b`` is accumulator column ``8 i + 2 t + b``
+    (``mode_split_matrices`` puts the inputs there)."""
+    if G == 16:
+        t = t.reshape([BB, 2, 2, 16]).permute((0, 3, 1, 2))
+    else:
+        t = t.reshape([BB, 2, 2, 4, 2]).permute((0, 4, 3, 1, 2)).reshape([BB, 8, 2, 2])
     a, b = gl.split(t)
     q0, q2 = gl.split(a)
     q1, q3 = gl.split(b)
@@ -135,23 +159,27 @@ def _column_blocks(t, BB: gl.constexpr):
 @_jit
 def _products(
     pq, ws, kk, g: gl.constexpr, acc0, acc1, acc2, use,
-    a_l: gl.constexpr, BB: gl.constexpr, NKB: gl.constexpr,
+    a_l: gl.constexpr, BB: gl.constexpr, NKB: gl.constexpr, G: gl.constexpr,
 ):  # fmt: skip
-    """The three modes' ``wgmma`` of input group g: A the split modes (registers,
-    bf16), B W's ``[BO, 16]`` slice of K box kk; ``use`` False starts a row block."""
-    q0, q1, q2, _ = _column_blocks(pq.to(gl.bfloat16), BB)
-    b0 = ws.index(kk).slice(16 * g, 16, dim=1).permute((1, 0))
-    b1 = ws.index(NKB + kk).slice(16 * g, 16, dim=1).permute((1, 0))
-    b2 = ws.index(2 * NKB + kk).slice(16 * g, 16, dim=1).permute((1, 0))
+    """The three modes' ``wgmma`` of input group g: A the split modes (registers, in
+    x's dtype), B W's ``[BO, G]`` slice of K box kk; ``use`` False starts a row
+    block."""
+    q0, q1, q2, _ = _column_blocks(pq.to(ws.dtype), BB, G)
+    b0 = ws.index(kk).slice(G * g, G, dim=1).permute((1, 0))
+    b1 = ws.index(NKB + kk).slice(G * g, G, dim=1).permute((1, 0))
+    b2 = ws.index(2 * NKB + kk).slice(G * g, G, dim=1).permute((1, 0))
     acc0 = warpgroup_mma(
-        gl.convert_layout(q0, a_l), b0, acc0, use_acc=use, is_async=True
-    )
+        gl.convert_layout(q0, a_l, assert_trivial=True), b0, acc0,
+        use_acc=use, is_async=True,
+    )  # fmt: skip
     acc1 = warpgroup_mma(
-        gl.convert_layout(q1, a_l), b1, acc1, use_acc=use, is_async=True
-    )
+        gl.convert_layout(q1, a_l, assert_trivial=True), b1, acc1,
+        use_acc=use, is_async=True,
+    )  # fmt: skip
     acc2 = warpgroup_mma(
-        gl.convert_layout(q2, a_l), b2, acc2, use_acc=use, is_async=True
-    )
+        gl.convert_layout(q2, a_l, assert_trivial=True), b2, acc2,
+        use_acc=use, is_async=True,
+    )  # fmt: skip
     return acc0, acc1, acc2
 
 
@@ -160,16 +188,68 @@ def _load_x(
     x_desc, xs, bar, t, pid_r, nprog_r, NKB: gl.constexpr, STAGES: gl.constexpr, pred
 ):
     """Step t of this program (row block ``t // NKB``, K box ``t % NKB``) into its
-    stage: three TMA boxes signalling the stage's barrier."""
+    stage: three TMA boxes of ``[64, 4 G]`` signalling the stage's barrier."""
+    BX: gl.constexpr = x_desc.block_type.shape[1]
     s = t % STAGES
     rb = pid_r + (t // NKB) * nprog_r
     kk = t % NKB
     mbarrier.expect(bar.index(s), 3 * x_desc.block_type.nbytes, pred=pred)
     for b in gl.static_range(3):
         tma.async_copy_global_to_shared(
-            x_desc, [rb * 64, 192 * kk + 64 * b], bar.index(s), xs.index(3 * s + b),
+            x_desc, [rb * 64, 3 * BX * kk + BX * b], bar.index(s), xs.index(3 * s + b),
             pred=pred,
         )  # fmt: skip
+
+
+@_jit
+def _store_y(
+    acc0, acc1, acc2, y_ptr, b_ptr, row0, col0, B, O, stride_yb,
+    HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Rows ``row0 ..`` and outputs ``col0 ..`` of y, ``[BB, BO]`` per mode: the
+    modes joined in registers, one interleaved store, bias on the m = 0 slot."""
+    st_l: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
+    )
+    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
+    t4 = gl.convert_layout(t4, st_l)
+    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
+    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+    mm = mm[None, None, :]
+    rows = row0.to(gl.int64) + r[:, None, None]
+    cols = col0 + c[None, :, None]
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + col0 + c, mask=col0 + c < O, other=0.0)
+        t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
+    gl.store(
+        y_ptr + rows * stride_yb + cols * 3 + mm,
+        t4.to(y_ptr.dtype.element_ty),
+        mask=(rows < B) & (cols < O) & (mm < 3),
+    )
+
+
+@_jit
+def _store_y_direct(
+    acc0, acc1, acc2, y_ptr, b_ptr, row0, col0, B, O, stride_yb,
+    HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr,
+):  # fmt: skip
+    """As ``_store_y``, one store per mode from the accumulators' own layout: no
+    shared memory, each thread's values two outputs apart."""
+    acc_l: gl.constexpr = acc0.type.layout
+    r = gl.arange(0, BB, layout=gl.SliceLayout(1, acc_l))
+    c = gl.arange(0, BO, layout=gl.SliceLayout(0, acc_l))
+    rows = row0.to(gl.int64) + r[:, None]
+    cols = col0 + c[None, :]
+    ptr = y_ptr + rows * stride_yb + cols * 3
+    mask = (rows < B) & (cols < O)
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + col0 + c, mask=col0 + c < O, other=0.0)
+        acc0 = acc0 + bias.to(gl.float32)[None, :]
+    dt: gl.constexpr = y_ptr.dtype.element_ty
+    gl.store(ptr, acc0.to(dt), mask=mask)
+    gl.store(ptr + 1, acc1.to(dt), mask=mask)
+    gl.store(ptr + 2, acc2.to(dt), mask=mask)
 
 
 @_jit
@@ -187,19 +267,22 @@ def _eqlin_fwd_tc_kernel(
     BO: gl.constexpr,
     NKB: gl.constexpr,
     STAGES: gl.constexpr,
+    EPI: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BB: gl.constexpr = 64
-    dt: gl.constexpr = gl.bfloat16
+    dt: gl.constexpr = x_desc.dtype
+    G: gl.constexpr = 16 if dt == gl.bfloat16 else 8  # inputs per group, wgmma's k
+    BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
     ob = gl.program_id(0)
     pid_r = gl.program_id(1)
     nprog_r = gl.num_programs(1)
     o0 = ob * BO
 
-    xs = gl.allocate_shared_memory(dt, [3 * STAGES, BB, 64], x_desc.layout)
-    ws = gl.allocate_shared_memory(dt, [3 * NKB, BO, 64], w_desc.layout)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], dt)
-    ps = gl.allocate_shared_memory(dt, [3, 64, 16], p_sl)
+    xs = gl.allocate_shared_memory(dt, [3 * STAGES, BB, BX], x_desc.layout)
+    ws = gl.allocate_shared_memory(dt, [3 * NKB, BO, BX], w_desc.layout)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BX, G], dt)
+    ps = gl.allocate_shared_memory(dt, [3, BX, G], p_sl)
     bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     wbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -211,14 +294,14 @@ def _eqlin_fwd_tc_kernel(
     for m in gl.static_range(3):
         for kb in gl.static_range(NKB):
             tma.async_copy_global_to_shared(
-                w_desc, [m * O + o0, 64 * kb], wbar.index(0), ws.index(m * NKB + kb)
+                w_desc, [m * O + o0, BX * kb], wbar.index(0), ws.index(m * NKB + kb)
             )
     # the three slices of P
-    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
-    pn = gl.arange(0, 64, layout=gl.SliceLayout(1, pl))[:, None]
-    pc = gl.arange(0, 16, layout=gl.SliceLayout(0, pl))[None, :]
+    pl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
+    pn = gl.arange(0, BX, layout=gl.SliceLayout(1, pl))[:, None]
+    pc = gl.arange(0, G, layout=gl.SliceLayout(0, pl))[None, :]
     for j in gl.static_range(3):
-        ps.index(j).store(gl.load(p_ptr + j * 1024 + pn * 16 + pc))
+        ps.index(j).store(gl.load(p_ptr + j * BX * G + pn * G + pc))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -229,88 +312,84 @@ def _eqlin_fwd_tc_kernel(
     mbarrier.wait(wbar.index(0), 0)
 
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BO, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BO, G]
     )
     p_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 64, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BX, G]
     )
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    st_l: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
+    a_l: gl.constexpr = gl.DotOperandLayout(
+        operand_index=0, parent=acc_l, k_width=G // 8
     )
-    zero = gl.zeros([BB, 64], gl.float32, layout=p_l)
+    zero = gl.zeros([BB, BX], gl.float32, layout=p_l)
     acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     for t in range(total):
+        # every warp is done with step t - 1 (its wgmma waited for): the ring
+        # refills that stage with step t + STAGES - 1
+        gl.thread_barrier()
+        _load_x(
+            x_desc, xs, bar, t + STAGES - 1, pid_r, nprog_r, NKB, STAGES,
+            t + STAGES - 1 < total,
+        )  # fmt: skip
         s = t % STAGES
         kk = t % NKB
         mbarrier.wait(bar.index(s), (t // STAGES) & 1)
         # 3. four groups: at most two permutations and one set of products queued,
         # waited for oldest first (wgmma groups retire in order)
-        p0 = _split_modes(xs, ps, s, 0, zero)
-        p1 = _split_modes(xs, ps, s, 1, zero)
+        p0 = _split_modes(xs, ps, s, 0, zero, G)
+        p1 = _split_modes(xs, ps, s, 1, zero, G)
         p0 = warpgroup_mma_wait(3, deps=[p0])
         acc0, acc1, acc2 = _products(
-            p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB
+            p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB, G
         )
-        p2 = _split_modes(xs, ps, s, 2, zero)
+        p2 = _split_modes(xs, ps, s, 2, zero, G)
         p1 = warpgroup_mma_wait(6, deps=[p1])
         acc0, acc1, acc2 = _products(
-            p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB
+            p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB, G
         )
-        p3 = _split_modes(xs, ps, s, 3, zero)
+        p3 = _split_modes(xs, ps, s, 3, zero, G)
         p2 = warpgroup_mma_wait(6, deps=[p2])
         acc0, acc1, acc2 = _products(
-            p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB
+            p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB, G
         )
         p3 = warpgroup_mma_wait(3, deps=[p3])
         acc0, acc1, acc2 = _products(
-            p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB
+            p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB, G
         )
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
-        gl.thread_barrier()  # every warp is done with stage s: the ring refills it
-        _load_x(
-            x_desc, xs, bar, t + STAGES - 1, pid_r, nprog_r, NKB, STAGES,
-            t + STAGES - 1 < total,
-        )  # fmt: skip
-        if kk == NKB - 1:  # 4. the row block's y: the modes joined, one store
+        if kk == NKB - 1:  # 4. the row block's y: the modes joined, stored
             rb = pid_r + (t // NKB) * nprog_r
-            t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
-            t4 = gl.convert_layout(t4, st_l)
-            r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
-            c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
-            mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
-            mm = mm[None, None, :]
-            rows = rb.to(gl.int64) * BB + r[:, None, None]
-            cols = o0 + c[None, :, None]
-            if HAS_BIAS:
-                bias = gl.load(b_ptr + o0 + c, mask=o0 + c < O, other=0.0)
-                t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
-            gl.store(
-                y_ptr + rows * stride_yb + cols * 3 + mm,
-                t4.to(dt),
-                mask=(rows < B) & (cols < O) & (mm < 3),
-            )
+            if EPI == 0:
+                _store_y(
+                    acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
+                    HAS_BIAS, BB, BO, num_warps,
+                )  # fmt: skip
+            else:
+                _store_y_direct(
+                    acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
+                    HAS_BIAS, BB, BO,
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------
-#: Per CUDA device, made on its first call: the 0/1 matrices there, its SM count,
-#: and the shared layout of a [64, 64] bf16 box (x's boxes and W's alike).
+#: Per CUDA device and dtype, made on the first call: the 0/1 matrices there, the SM
+#: count, and the shared layout of a ``[64, BLOCK_K]`` box (x's boxes and W's alike).
 _DEVICE: dict = {}
 
 
 def _device_state(x: torch.Tensor) -> tuple:
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _DEVICE:
-        _DEVICE[dev] = (
-            mode_split_matrices(torch.bfloat16, x.device).contiguous(),
+    if (dev, x.dtype) not in _DEVICE:
+        gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float32
+        _DEVICE[dev, x.dtype] = (
+            mode_split_matrices(x.dtype, x.device).contiguous(),
             torch.cuda.get_device_properties(dev).multi_processor_count,
-            gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([64, BLOCK_K[x.dtype]], gl_dt),
         )
-    return _DEVICE[dev]
+    return _DEVICE[dev, x.dtype]
 
 
 def shape_reason(
@@ -320,14 +399,17 @@ def shape_reason(
     (outputs) and device, before any tensor is looked at; None when it can."""
     if gluon is None:
         return "this Triton has no Gluon"
-    if dtype != torch.bfloat16:
-        return f"{dtype}: the kernel is bf16 only"
+    if dtype not in BLOCK_K:
+        return f"{dtype}: the kernel is bf16 and fp32 (TF32) only"
     if n_ang != 3:
         return f"n_ang = {n_ang}: the mode split is written for 3"
-    if K % BLOCK_K or O % BLOCK_O or K == 0 or O == 0:
-        return f"K = {K}, O = {O}: both must be positive multiples of 64"
-    if K > MAX_K:
-        return f"K = {K} > {MAX_K}: W's slice would not fit in shared memory"
+    bk = BLOCK_K[dtype]
+    if K % bk or O % BLOCK_O or K == 0 or O == 0:
+        return (
+            f"K = {K}, O = {O}: K must be a positive multiple of {bk}, O of {BLOCK_O}"
+        )
+    if K > MAX_K[dtype]:
+        return f"K = {K} > {MAX_K[dtype]}: W's slice would not fit in shared memory"
     if device_type != "cuda":
         return "not a CUDA tensor"
     return None
@@ -360,15 +442,16 @@ def tc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     if B == 0:
         return y
     p, n_sms, box = _device_state(x)
-    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, 64], box)
-    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, 64], box)
+    bk = BLOCK_K[x.dtype]
+    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, bk], box)
+    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, bk], box)
     n_ot, n_rb = O // BLOCK_O, triton.cdiv(B, BLOCK_B)
     # one program per SM: each output block gets a share of the SMs, its programs
     # walk the row blocks
     grid = (n_ot, max(1, min(n_rb, n_sms // n_ot)))
     _eqlin_fwd_tc_kernel[grid](
         x_desc, w_desc, p, bias if bias is not None else w, y, B, O,
-        y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=BLOCK_O, NKB=K // BLOCK_K,
-        STAGES=STAGES, num_warps=4,
+        y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=BLOCK_O, NKB=K // bk,
+        STAGES=STAGES[x.dtype], EPI=EPI[x.dtype], num_warps=4,
     )  # fmt: skip
     return y

@@ -16,47 +16,69 @@ def _xw(B, K, O, n=3, dtype=torch.bfloat16, device="cpu", seed=0):
     return linear_args(B, K, O, n, dtype, device, seed)
 
 
-def test_mode_split_matrices_take_the_modes_apart_exactly():
-    """One group of 16 inputs, 48 interleaved columns, times P (its three 16-row
-    slices stacked): mode m's 16 inputs in columns 16 m .. 16 m + 15, zeros after
-    column 47, each value exactly once (fp64 and bf16 alike)."""
-    for dtype in (torch.float64, torch.bfloat16):
-        s = linear_tc.mode_split_matrices(dtype)
-        assert s.shape == (3, 64, 16) and s.dtype == dtype
-        p = torch.cat([s[j].t() for j in range(3)])  # (48, 64): rows 16 j + c
-        assert torch.equal(p.sum(1), torch.ones(48, dtype=dtype))
-        x = torch.randn(7, 16, 3, dtype=torch.float64).to(dtype)  # (rows, f, m)
-        got = x.reshape(7, 48) @ p
+@pytest.mark.parametrize("G", [16, 8], ids=["bf16", "tf32"])
+def test_mode_split_matrices_take_the_modes_apart_exactly(G):
+    """One group of G inputs, 3 G interleaved columns, times P (its three G-row
+    slices stacked): mode m's G inputs in columns G m .. G m + G - 1, zeros after
+    column 3 G - 1, each value exactly once (fp64 and the kernel's dtype alike). In
+    bf16 in order; in TF32 in the order of a ``wgmma`` A operand's registers: the
+    thread holding accumulator columns 2 t, 2 t + 1 (of 8) holds A columns t, t + 4,
+    so A column t + 4 b must be accumulator column 2 t + b."""
+    order = list(range(16)) if G == 16 else [2 * (c % 4) + c // 4 for c in range(8)]
+    for dtype in (torch.float64, torch.bfloat16 if G == 16 else torch.float32):
+        s = linear_tc.mode_split_matrices(dtype, G=G)
+        assert s.shape == (3, 4 * G, G) and s.dtype == dtype
+        p = torch.cat([s[j].t() for j in range(3)])  # (3 G, 4 G): rows G j + c
+        assert torch.equal(p.sum(1), torch.ones(3 * G, dtype=dtype))
+        x = torch.randn(7, G, 3, dtype=torch.float64).to(dtype)  # (rows, f, m)
+        got = x.reshape(7, 3 * G) @ p
         for m in range(3):
-            assert torch.equal(got[:, 16 * m : 16 * m + 16], x[:, :, m])
-        assert not got[:, 48:].any()
+            assert torch.equal(got[:, G * m : G * m + G][:, order], x[:, :, m])
+        assert not got[:, 3 * G :].any()
+    assert torch.equal(
+        linear_tc.mode_split_matrices(torch.float32),
+        linear_tc.mode_split_matrices(torch.float64, G=8).float(),
+    )
 
 
 @pytest.mark.skipif(linear_tc.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda x, w: (x.float(), w.float()), "bf16 only"),
-        (lambda x, w: (x.half(), w.half()), "bf16 only"),
+        (lambda x, w: (x.half(), w.half()), "bf16 and fp32 (TF32) only"),
+        (lambda x, w: (x.double(), w.double()), "bf16 and fp32 (TF32) only"),
+        (lambda x, w: (x.float(), w.half()), "dtype or device"),
         (lambda x, w: (x[..., :2], w[:2]), "n_ang = 2"),
-        (lambda x, w: (x[:, :48], w[:, :, :48]), "multiples of 64"),
-        (lambda x, w: (x, w[:, :32]), "multiples of 64"),
+        (lambda x, w: (x[:, :48], w[:, :, :48]), "multiple of 64"),
+        (lambda x, w: (x[:, :48].float(), w[:, :, :48].float()), "multiple of 32"),
+        (lambda x, w: (x, w[:, :32]), "O of 64"),
         (lambda x, w: (torch.cat([x] * 5, 1), torch.cat([w] * 5, 2)), "shared memory"),
+        (
+            lambda x, w: (torch.cat([x] * 4, 1).float(), torch.cat([w] * 4, 2).float()),
+            "K = 256 > 192",
+        ),
+        (lambda x, w: (x.transpose(0, 1).contiguous().transpose(0, 1), w), "contig"),
         (lambda x, w: (x, w), "not a CUDA tensor"),
     ],
-    ids=["fp32", "fp16", "n_ang2", "K48", "O32", "K320", "cpu"],
-)
-def test_reason_names_what_the_kernel_cannot_serve(change, reason):
+    ids=[
+        "fp16", "fp64", "mixed", "n_ang2", "K48", "K48-fp32", "O32", "K320",
+        "K256-fp32", "strided", "cpu",
+    ],
+)  # fmt: skip
+def test_reason_names_what_the_kernel_cannot_serve(change, reason, monkeypatch):
     x, w, _ = _xw(5, 64, 64)
     x, w = change(x, w)
+    if reason in ("dtype or device", "contig"):  # checks made on CUDA tensors only
+        monkeypatch.setattr(linear_tc, "shape_reason", lambda *a: None)
     got = linear_tc.tc_reason(x, w)
     assert got is not None and reason in got
     with pytest.raises(ValueError, match="cannot serve"):
         linear_tc.tc_fwd(x, w, None)
 
 
-def test_bf16_forward_and_input_backward_hand_the_kernel_contiguous_weights(
-    monkeypatch,
+@pytest.mark.parametrize("cfg", ["BF16_TC", "TF32_TC"])
+def test_forward_and_input_backward_hand_the_kernel_contiguous_weights(
+    cfg, monkeypatch
 ):
     """Where the kernel serves, ``eqlin_fwd`` gives it W as it lies (contiguous) and
     the input backward the one W^T that ``_w_t_copy`` keeps; where it does not
@@ -73,7 +95,7 @@ def test_bf16_forward_and_input_backward_hand_the_kernel_contiguous_weights(
         def __getitem__(self, grid):
             return lambda *args, **meta: launches.append(meta)
 
-    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": linear.BF16_TC)
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": getattr(linear, cfg))
     monkeypatch.setattr(linear_tc, "tc_reason", lambda x, w: None)
     monkeypatch.setattr(linear_tc, "shape_reason", lambda *a: None)
     monkeypatch.setattr(linear_tc, "tc_fwd", fake_tc)
@@ -106,18 +128,33 @@ def _bf16_truth(x, w, b):
 SIZES = [(1, 64, 64), (63, 64, 128), (130, 128, 64), (4999, 192, 192), (3, 256, 64)]
 
 
+SIZES_TF32 = [(1, 32, 64), (63, 96, 128), (130, 64, 64), (4999, 192, 192)]
+
+
+@pytest.fixture
+def tf32():
+    """TF32 on for the test (the library's fp32 path then multiplies in TF32)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("B, K, O", SIZES)
-def test_gpu_tc_forward_matches_float64(B, K, O, bias, monkeypatch):
-    """Against float64 of the same bf16 inputs: within the output's bf16 rounding,
-    and as close as the Triton kernel it replaced gets."""
-    x, w, b = _xw(B, K, O, device="cuda")
+@pytest.mark.parametrize(
+    "dtype, B, K, O",
+    [(torch.bfloat16, *s) for s in SIZES] + [(torch.float32, *s) for s in SIZES_TF32],
+)
+def test_gpu_tc_forward_matches_float64(dtype, B, K, O, bias, tf32, monkeypatch):
+    """Against float64 of the same inputs: within bf16's rounding of the output, or
+    TF32's of the inputs, and as close as the Triton kernel it replaced gets."""
+    x, w, b = _xw(B, K, O, dtype=dtype, device="cuda")
     b = b if bias else None
     assert linear_tc.tc_reason(x, w) is None
     y = linear_tc.tc_fwd(x, w, b)
-    assert y.shape == (B, O, 3) and y.dtype == torch.bfloat16
+    assert y.shape == (B, O, 3) and y.dtype == dtype
     truth = _bf16_truth(x, w, b)
     err = rel_err(y.double(), truth)
     saved = linear._config
@@ -126,16 +163,19 @@ def test_gpu_tc_forward_matches_float64(B, K, O, bias, monkeypatch):
     )
     err_triton = rel_err(linear.eqlin_fwd(x, w, b).double(), truth)
     assert err < 4e-3 and err < 1.5 * err_triton + 1e-4, (err, err_triton)
+    if dtype == torch.float32:  # TF32 rounds the inputs: about 2^-11 relative
+        assert 1e-5 < err < 2e-3, err
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(monkeypatch):
-    """The library's bf16 path runs linear_tc (forward and input backward) at the
-    model's width, and agrees with the Triton kernel it replaced to within bf16
-    rounding of the output; gradients against float64."""
-    x_c, w, b = _xw(4999, 192, 192, device="cuda")
-    x_s = _xw(4999, 192, 192, device="cuda", seed=1)[0]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(dtype, tf32, monkeypatch):
+    """The library's bf16 and TF32 paths run linear_tc (forward and input backward)
+    at the model's width, and agree with the Triton kernel it replaced to within
+    rounding; gradients against float64."""
+    x_c, w, b = _xw(4999, 192, 192, dtype=dtype, device="cuda")
+    x_s = _xw(4999, 192, 192, dtype=dtype, device="cuda", seed=1)[0]
     calls = []
     real = linear_tc.tc_fwd
     monkeypatch.setattr(
@@ -159,14 +199,17 @@ def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_gpu_bf16_calls_it_cannot_serve_run_the_triton_kernel(monkeypatch):
-    """K = 96 and a non-contiguous x: the Triton kernel, correct, and linear_tc is
-    not called."""
+@pytest.mark.parametrize("dtype, k_odd", [(torch.bfloat16, 96), (torch.float32, 48)])
+def test_gpu_calls_it_cannot_serve_run_the_triton_kernel(
+    dtype, k_odd, tf32, monkeypatch
+):
+    """K not a multiple of the K step, and a non-contiguous x: the Triton kernel,
+    correct, and linear_tc is not called."""
     monkeypatch.setattr(
         linear_tc, "tc_fwd", lambda *a: pytest.fail("linear_tc ran where it cannot")
     )
-    for B, K, O, mangle in ((300, 96, 64, False), (300, 64, 64, True)):
-        x, w, b = _xw(B, K, O, device="cuda")
+    for B, K, O, mangle in ((300, k_odd, 64, False), (300, 64, 64, True)):
+        x, w, b = _xw(B, K, O, dtype=dtype, device="cuda")
         if mangle:
             x = x.transpose(0, 1).contiguous().transpose(0, 1)
         y = linear.eqlin_fwd(x, w, b)
@@ -176,9 +219,9 @@ def test_gpu_bf16_calls_it_cannot_serve_run_the_triton_kernel(monkeypatch):
 @pytest.mark.skipif(linear_tc.gluon is None, reason="this Triton has no Gluon")
 def test_launcher_grid_descriptors_and_device_state(monkeypatch):
     """What ``tc_fwd`` hands the kernel, with the kernel replaced (it needs a GPU):
-    x as (B, 3K) and W as (3 O, K) in [64, 64] boxes, the 0/1 matrices, one program
-    per SM shared out over the output blocks (at least one row program each), and
-    the per-device state made once."""
+    x as (B, 3K) and W as (3 O, K) in boxes of 64 rows of 128 bytes, the 0/1
+    matrices, one program per SM shared out over the output blocks (at least one
+    row program each), and the per-device state made once per dtype."""
     launches = []
 
     class FakeKernel:
@@ -196,16 +239,23 @@ def test_launcher_grid_descriptors_and_device_state(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda d: made.append(d) or Props()
     )
-    for B, K, O, want in ((4999, 192, 192, (3, 44)), (70, 64, 64, (1, 2))):
-        x, w, b = _xw(B, K, O)
+    for dt, B, K, O, want in (
+        (torch.bfloat16, 4999, 192, 192, (3, 44)),
+        (torch.bfloat16, 70, 64, 64, (1, 2)),
+        (torch.float32, 4999, 192, 192, (3, 44)),
+        (torch.float32, 70, 96, 128, (2, 2)),
+    ):
+        x, w, b = _xw(B, K, O, dtype=dt)
         y = linear_tc.tc_fwd(x, w, b)
         grid, args, meta = launches[-1]
-        assert y.shape == (B, O, 3) and grid == want
+        assert y.shape == (B, O, 3) and y.dtype == dt and grid == want
         x_desc, w_desc, p = args[:3]
-        assert list(x_desc.shape) == [B, 3 * K] and x_desc.block_shape == [64, 64]
-        assert list(w_desc.shape) == [3 * O, K] and w_desc.block_shape == [64, 64]
-        assert torch.equal(p, linear_tc.mode_split_matrices())
-        assert meta["NKB"] == K // 64 and meta["HAS_BIAS"]
-    assert made == [0]  # the device state is made once
+        bk = 64 if dt == torch.bfloat16 else 32  # 128 bytes a box row
+        assert list(x_desc.shape) == [B, 3 * K] and x_desc.block_shape == [64, bk]
+        assert list(w_desc.shape) == [3 * O, K] and w_desc.block_shape == [64, bk]
+        assert torch.equal(p, linear_tc.mode_split_matrices(dt))
+        assert meta["NKB"] == K // bk and meta["HAS_BIAS"]
+        assert meta["STAGES"] == linear_tc.STAGES[dt]
+    assert made == [0, 0]  # the state is made once per device and dtype
     assert linear_tc.tc_fwd(*_xw(0, 64, 64)[:2], None).shape == (0, 64, 3)
-    assert len(launches) == 2  # no rows, no launch
+    assert len(launches) == 4  # no rows, no launch

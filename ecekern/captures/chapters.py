@@ -635,10 +635,14 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         )
         for t in linear_fma.TILES
     ]
-    # bf16 only: the Gluon kernel that splits the modes on the tensor cores
-    runs.append(
-        ("bfloat16", False, "tc", (64, 64, 64, 4), linear_tc.STAGES, linear.BF16_TC)
-    )
+    # bf16 and TF32: the Gluon kernel that splits the modes on the tensor cores
+    runs += [
+        (dt, tf32, "tc", (64, bk, 64, 4), linear_tc.STAGES[dtype], cfg)
+        for dt, tf32, dtype, bk, cfg in (
+            ("bfloat16", False, torch.bfloat16, 64, linear.BF16_TC),
+            ("float32", True, torch.float32, 32, linear.TF32_TC),
+        )
+    ]
     for dt, tf32, name, tile, stages, cfg in runs:
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
