@@ -45,6 +45,8 @@ Gluon does not run in Triton's CPU interpreter.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -64,17 +66,27 @@ except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
 
 __all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
 
-#: Outputs per program (each mode), rows per program.
-BLOCK_O, BLOCK_B = 64, 64
-#: Per dtype: inputs per K step (4 groups; one box of x is 64 rows of 128 bytes),
-#: the largest K (W's slice, ``3 x 64 x K``, and the ring of x share the SM's shared
-#: memory; offline sm_90 builds: bf16 219 KB at K = 256, 244 KB at 320; TF32 ...),
-#: K steps of x in flight (bf16: 4 measured fastest of 3 and 4, history
-#: session10_pm_a453d90.csv).
+
+class Launch(NamedTuple):
+    """One launch of the kernel: outputs per program (each mode), warps (4: one
+    warpgroup on 64 rows; 8: two on 128), K steps of x in the ring, programs per SM
+    (the grid: at most that many times the SM count)."""
+
+    block_o: int
+    warps: int
+    stages: int
+    per_sm: int
+
+
+#: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
+#: largest K (W's slice, ``3 x BO x K``, and the ring of x share the SM's shared
+#: memory), the launch.
 BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}
-STAGES = {torch.bfloat16: 4, torch.float32: 2}
-EPI = {torch.bfloat16: 0, torch.float32: 0}
+LAUNCH = {
+    torch.bfloat16: Launch(64, 4, 4, 1),
+    torch.float32: Launch(64, 4, 2, 1),
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -189,6 +201,7 @@ def _load_x(
 ):
     """Step t of this program (row block ``t // NKB``, K box ``t % NKB``) into its
     stage: three TMA boxes of ``[64, 4 G]`` signalling the stage's barrier."""
+    BB: gl.constexpr = x_desc.block_type.shape[0]
     BX: gl.constexpr = x_desc.block_type.shape[1]
     s = t % STAGES
     rb = pid_r + (t // NKB) * nprog_r
@@ -196,7 +209,7 @@ def _load_x(
     mbarrier.expect(bar.index(s), 3 * x_desc.block_type.nbytes, pred=pred)
     for b in gl.static_range(3):
         tma.async_copy_global_to_shared(
-            x_desc, [rb * 64, 3 * BX * kk + BX * b], bar.index(s), xs.index(3 * s + b),
+            x_desc, [rb * BB, 3 * BX * kk + BX * b], bar.index(s), xs.index(3 * s + b),
             pred=pred,
         )  # fmt: skip
 
@@ -230,29 +243,6 @@ def _store_y(
 
 
 @_jit
-def _store_y_direct(
-    acc0, acc1, acc2, y_ptr, b_ptr, row0, col0, B, O, stride_yb,
-    HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr,
-):  # fmt: skip
-    """As ``_store_y``, one store per mode from the accumulators' own layout: no
-    shared memory, each thread's values two outputs apart."""
-    acc_l: gl.constexpr = acc0.type.layout
-    r = gl.arange(0, BB, layout=gl.SliceLayout(1, acc_l))
-    c = gl.arange(0, BO, layout=gl.SliceLayout(0, acc_l))
-    rows = row0.to(gl.int64) + r[:, None]
-    cols = col0 + c[None, :]
-    ptr = y_ptr + rows * stride_yb + cols * 3
-    mask = (rows < B) & (cols < O)
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + col0 + c, mask=col0 + c < O, other=0.0)
-        acc0 = acc0 + bias.to(gl.float32)[None, :]
-    dt: gl.constexpr = y_ptr.dtype.element_ty
-    gl.store(ptr, acc0.to(dt), mask=mask)
-    gl.store(ptr + 1, acc1.to(dt), mask=mask)
-    gl.store(ptr + 2, acc2.to(dt), mask=mask)
-
-
-@_jit
 def _eqlin_fwd_tc_kernel(
     x_desc,
     w_desc,
@@ -267,10 +257,9 @@ def _eqlin_fwd_tc_kernel(
     BO: gl.constexpr,
     NKB: gl.constexpr,
     STAGES: gl.constexpr,
-    EPI: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    BB: gl.constexpr = 64
+    BB: gl.constexpr = x_desc.block_type.shape[0]  # rows: 16 a warp
     dt: gl.constexpr = x_desc.dtype
     G: gl.constexpr = 16 if dt == gl.bfloat16 else 8  # inputs per group, wgmma's k
     BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
@@ -360,23 +349,17 @@ def _eqlin_fwd_tc_kernel(
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
         if kk == NKB - 1:  # 4. the row block's y: the modes joined, stored
             rb = pid_r + (t // NKB) * nprog_r
-            if EPI == 0:
-                _store_y(
-                    acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
-                    HAS_BIAS, BB, BO, num_warps,
-                )  # fmt: skip
-            else:
-                _store_y_direct(
-                    acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
-                    HAS_BIAS, BB, BO,
-                )  # fmt: skip
+            _store_y(
+                acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
+                HAS_BIAS, BB, BO, num_warps,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------
 #: Per CUDA device and dtype, made on the first call: the 0/1 matrices there, the SM
-#: count, and the shared layout of a ``[64, BLOCK_K]`` box (x's boxes and W's alike).
+#: count, and the shared layout of a box of 128-byte rows (x's boxes and W's alike).
 _DEVICE: dict = {}
 
 
@@ -403,11 +386,9 @@ def shape_reason(
         return f"{dtype}: the kernel is bf16 and fp32 (TF32) only"
     if n_ang != 3:
         return f"n_ang = {n_ang}: the mode split is written for 3"
-    bk = BLOCK_K[dtype]
-    if K % bk or O % BLOCK_O or K == 0 or O == 0:
-        return (
-            f"K = {K}, O = {O}: K must be a positive multiple of {bk}, O of {BLOCK_O}"
-        )
+    bk, bo = BLOCK_K[dtype], LAUNCH[dtype].block_o
+    if K % bk or O % bo or K == 0 or O == 0:
+        return f"K = {K}, O = {O}: K must be a positive multiple of {bk}, O of {bo}"
     if K > MAX_K[dtype]:
         return f"K = {K} > {MAX_K[dtype]}: W's slice would not fit in shared memory"
     if device_type != "cuda":
@@ -442,16 +423,17 @@ def tc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     if B == 0:
         return y
     p, n_sms, box = _device_state(x)
-    bk = BLOCK_K[x.dtype]
-    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [BLOCK_B, bk], box)
-    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [BLOCK_O, bk], box)
-    n_ot, n_rb = O // BLOCK_O, triton.cdiv(B, BLOCK_B)
-    # one program per SM: each output block gets a share of the SMs, its programs
+    bk, (bo, warps, stages, per_sm) = BLOCK_K[x.dtype], LAUNCH[x.dtype]
+    bb = 16 * warps
+    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [bb, bk], box)
+    w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [bo, bk], box)
+    n_ot, n_rb = O // bo, triton.cdiv(B, bb)
+    # per_sm programs per SM: each output block gets a share of them, its programs
     # walk the row blocks
-    grid = (n_ot, max(1, min(n_rb, n_sms // n_ot)))
+    grid = (n_ot, max(1, min(n_rb, per_sm * n_sms // n_ot)))
     _eqlin_fwd_tc_kernel[grid](
         x_desc, w_desc, p, bias if bias is not None else w, y, B, O,
-        y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=BLOCK_O, NKB=K // bk,
-        STAGES=STAGES[x.dtype], EPI=EPI[x.dtype], num_warps=4,
+        y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=bo, NKB=K // bk,
+        STAGES=stages, num_warps=warps,
     )  # fmt: skip
     return y

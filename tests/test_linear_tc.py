@@ -255,7 +255,7 @@ def test_launcher_grid_descriptors_and_device_state(monkeypatch):
         assert list(w_desc.shape) == [3 * O, K] and w_desc.block_shape == [64, bk]
         assert torch.equal(p, linear_tc.mode_split_matrices(dt))
         assert meta["NKB"] == K // bk and meta["HAS_BIAS"]
-        assert meta["STAGES"] == linear_tc.STAGES[dt]
+        assert meta["STAGES"] == linear_tc.LAUNCH[dt].stages
     assert made == [0, 0]  # the state is made once per device and dtype
     assert linear_tc.tc_fwd(*_xw(0, 64, 64)[:2], None).shape == (0, 64, 3)
     assert len(launches) == 4  # no rows, no launch

@@ -637,11 +637,12 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     ]
     # bf16 and TF32: the Gluon kernel that splits the modes on the tensor cores
     runs += [
-        (dt, tf32, "tc", (64, bk, 64, 4), linear_tc.STAGES[dtype], cfg)
+        (dt, tf32, "tc", (16 * ln.warps, bk, ln.block_o, ln.warps), ln.stages, cfg)
         for dt, tf32, dtype, bk, cfg in (
             ("bfloat16", False, torch.bfloat16, 64, linear.BF16_TC),
             ("float32", True, torch.float32, 32, linear.TF32_TC),
         )
+        for ln in (linear_tc.LAUNCH[dtype],)
     ]
     for dt, tf32, name, tile, stages, cfg in runs:
         bench.set_tf32(tf32)
