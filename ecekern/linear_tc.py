@@ -294,9 +294,10 @@ def _eqlin_fwd_tc_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    # 2. the ring: STAGES - 1 steps in flight before the first is used
-    total = gl.cdiv(n_rb - pid_r, nprog_r) * NKB
-    for t0 in gl.static_range(STAGES - 1):
+    # 2. the ring: STAGES steps in flight before the first is used
+    n_mine = gl.cdiv(n_rb - pid_r, nprog_r)  # this program's row blocks
+    total = n_mine * NKB
+    for t0 in gl.static_range(STAGES):
         _load_x(x_desc, xs, bar, t0, pid_r, nprog_r, NKB, STAGES, t0 < total)
     mbarrier.wait(wbar.index(0), 0)
 
@@ -313,46 +314,46 @@ def _eqlin_fwd_tc_kernel(
     acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
-    for t in range(total):
-        # every warp is done with step t - 1 (its wgmma waited for): the ring
-        # refills that stage with step t + STAGES - 1
-        gl.thread_barrier()
-        _load_x(
-            x_desc, xs, bar, t + STAGES - 1, pid_r, nprog_r, NKB, STAGES,
-            t + STAGES - 1 < total,
-        )  # fmt: skip
-        s = t % STAGES
-        kk = t % NKB
-        mbarrier.wait(bar.index(s), (t // STAGES) & 1)
-        # 3. four groups: at most two permutations and one set of products queued,
-        # waited for oldest first (wgmma groups retire in order)
-        p0 = _split_modes(xs, ps, s, 0, zero, G)
-        p1 = _split_modes(xs, ps, s, 1, zero, G)
-        p0 = warpgroup_mma_wait(3, deps=[p0])
-        acc0, acc1, acc2 = _products(
-            p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB, G
-        )
-        p2 = _split_modes(xs, ps, s, 2, zero, G)
-        p1 = warpgroup_mma_wait(6, deps=[p1])
-        acc0, acc1, acc2 = _products(
-            p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB, G
-        )
-        p3 = _split_modes(xs, ps, s, 3, zero, G)
-        p2 = warpgroup_mma_wait(6, deps=[p2])
-        acc0, acc1, acc2 = _products(
-            p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB, G
-        )
-        p3 = warpgroup_mma_wait(3, deps=[p3])
-        acc0, acc1, acc2 = _products(
-            p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB, G
-        )
-        acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
-        if kk == NKB - 1:  # 4. the row block's y: the modes joined, stored
-            rb = pid_r + (t // NKB) * nprog_r
-            _store_y(
-                acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb,
-                HAS_BIAS, BB, BO, num_warps,
+    for i in range(n_mine):
+        for kk in gl.static_range(NKB):  # the K steps, unrolled: no drain between
+            t = i * NKB + kk
+            s = t % STAGES
+            mbarrier.wait(bar.index(s), (t // STAGES) & 1)
+            # 3. four groups: at most two permutations and two sets of products
+            # queued, waited for oldest first (wgmma groups retire in order)
+            p0 = _split_modes(xs, ps, s, 0, zero, G)
+            p1 = _split_modes(xs, ps, s, 1, zero, G)
+            p0 = warpgroup_mma_wait(3, deps=[p0])
+            acc0, acc1, acc2 = _products(
+                p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB, G
+            )
+            p2 = _split_modes(xs, ps, s, 2, zero, G)
+            p1 = warpgroup_mma_wait(6, deps=[p1])
+            acc0, acc1, acc2 = _products(
+                p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB, G
+            )
+            p3 = _split_modes(xs, ps, s, 3, zero, G)
+            p2 = warpgroup_mma_wait(6, deps=[p2])
+            acc0, acc1, acc2 = _products(
+                p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB, G
+            )
+            p3 = warpgroup_mma_wait(3, deps=[p3])
+            # every warp's permutations of stage s are done (the products read
+            # registers and W): the ring refills it with step t + STAGES
+            gl.thread_barrier()
+            _load_x(
+                x_desc, xs, bar, t + STAGES, pid_r, nprog_r, NKB, STAGES,
+                t + STAGES < total,
             )  # fmt: skip
+            acc0, acc1, acc2 = _products(
+                p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB, G
+            )
+        # 4. the row block's y: the modes joined, stored
+        acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
+        _store_y(
+            acc0, acc1, acc2, y_ptr, b_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
+            stride_yb, HAS_BIAS, BB, BO, num_warps,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
