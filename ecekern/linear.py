@@ -857,7 +857,7 @@ class Config(NamedTuple):
     w_desc: bool = False  # forward: W by the bulk copy engine (tensor descriptor)
     join: bool = False  # forward, with store3: interleave by tl.join (n_ang 2-4)
     fma: str = ""  # strict-fp32 forward: the Gluon FMA kernel's register tile
-    tc: bool = False  # bf16, TF32 forward: linear_tc's kernel where it serves
+    tc: bool = False  # forward: linear_tc's kernel where it serves (bf16)
 
 
 def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
@@ -869,8 +869,8 @@ def _config(dtype: torch.dtype, kind: str = "fwd") -> Config:
     if kind == "fwd":  # the fastest forward launches of chapter 2's launch sweep
         if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
             return FP32_FMA  # the Gluon kernel where it serves, else FP32_TRITON
-        if dtype == torch.float32:  # TF32: the modes split on the tensor cores
-            return TF32_TC
+        if dtype == torch.float32:  # TF32: prefetch, one joined store, W by descriptor
+            return TF32_TRITON
         if dtype == torch.bfloat16:
             return BF16_TC  # the modes split on the tensor cores, where it serves
         return Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True)  # fp16
@@ -893,10 +893,10 @@ FP32_TRITON = Config(64, 32, 64, 4, 2, SPLIT)
 #: Triton kernel at this launch (prefetch, W by descriptor; chapter 2's launch
 #: sweep). 68 against 114 us (E = 47k, one of cos/sin; history session10_pm_*).
 BF16_TC = Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True, tc=True)
-#: TF32: the same Gluon kernel (groups of 8 inputs; K a multiple of 32, K <= 192)
-#: where it serves, else the Triton kernel at this launch (prefetch, one joined
-#: store, W by descriptor; chapter 2's launch sweep).
-TF32_TC = Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True, tc=True)
+#: TF32: the Triton kernel at its fastest launch of chapter 2's launch sweep (prefetch,
+#: one joined store, W by descriptor). linear_tc's TF32 version (``tc=True``) is
+#: slower: 165 against 144 us (E = 47k, one of cos/sin; history session11_tc_*).
+TF32_TRITON = Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True)
 
 
 def _reads_w_t_in_place(dtype: torch.dtype) -> bool:

@@ -1,43 +1,50 @@
-"""EquivariantLinear's bf16 forward on the tensor cores, with the modes split by the
-tensor cores themselves, written in Gluon.
+"""EquivariantLinear's forward on the tensor cores, with the modes split by the
+tensor cores themselves, written in Gluon: bf16, and TF32 (fp32 inputs).
 
 ``y[b, o, m] = sum_k x[b, k, m] w[m, o, k] (+ bias[o] at m = 0)`` for ``x (B, K, 3)``
 contiguous, ``w (3, O, K)`` contiguous (the forward's W; the input backward's W^T
 through the copy that ``linear._w_t_copy`` keeps), ``y (B, O, 3)`` contiguous; bf16
-in and out, fp32 accumulation.
+or fp32 in and out, fp32 accumulation (fp32 inputs are multiplied in TF32).
 
 Why: one mode of x is every third value of a row, and neither the bulk copy engine
 (TMA strides apply to whole rows only) nor a ``wgmma`` (its operands are contiguous
 along K) takes it as it lies. Splitting the modes through registers and shared memory
 kept the L1/shared pipe 82 % busy and the tensor pipe 10 % (chapter 2). Here the split
-is itself a product: for a group of 16 inputs (48 interleaved columns) and the 0/1
-matrix ``P[3 f + m, 16 m + f] = 1`` (``mode_split_matrices``; 48 x 64, the last 16
-columns zero), ``X P`` holds mode 0's 16 inputs in its first 16 columns, mode 1's in
-the next 16, mode 2's in the 16 after. It is exact in bf16 with fp32 accumulation
-(each output is one input times one) and it lands in a ``wgmma`` accumulator, whose
-registers, rounded to bf16 and split in place, are the A operand of the per-mode
+is itself a product: for a group of G inputs (``group_size``: 16 in bf16, 8 in TF32,
+the k of one ``wgmma``; 3 G interleaved columns) and the 0/1 matrix P
+(``mode_split_matrices``; 3 G x 4 G, the last G columns zero), ``X P`` holds each
+mode's G inputs in G columns of its own. It is exact with fp32 accumulation (each
+output is one input times one) and it lands in a ``wgmma`` accumulator, whose
+registers, split in place (and rounded to bf16), are the A operand of the per-mode
 ``wgmma`` (the reuse FlashAttention-3 makes of its probabilities): the modes never
-pass through shared memory a second time. The permutation costs as many tensor-core
-operations as the products it feeds.
+pass through shared memory a second time. In TF32 a thread's accumulator columns
+(2 t, 2 t + 1 of each 8) are not its A columns (t, t + 4), so P puts each input in
+the accumulator column whose register the A operand wants (``_column_blocks``); every
+hand-over is asserted free of data movement (``convert_layout(assert_trivial=True)``).
+The permutation costs as many tensor-core operations as the products it feeds.
 
 One program owns a block of ``BO = 64`` outputs of every mode and keeps that slice of
-W (``3 x 64 x K``, 72 KB at K = 192) in shared memory for its life, loaded once by TMA;
-x streams through a ring of ``STAGES`` K steps of 64 inputs (three interleaved
-``[64, 64]`` boxes each, by TMA, zero past the last row) across the program's row
-blocks, so the copy engine runs ahead of the tensor cores from one row block into the
-next. Per K step, four groups of 16 inputs: three ``wgmma`` against P, then three
-per-mode ``wgmma`` (one per mode, A from registers, B W's ``[64, 16]`` slice), the
-next group's permutation queued before this group's products. After a row block's
-last K step its three accumulators are joined and stored, bias on the m = 0 slot.
-One warpgroup, one program per SM (its registers and shared memory).
+W (``3 x 64 x K``: 72 KB in bf16, 144 KB in fp32 at K = 192) in shared memory for its
+life, loaded once by TMA; x streams through a ring of K steps of 4 G inputs (three
+interleaved boxes of 64 rows of 128 bytes each, by TMA, zero past the last row)
+across the program's row blocks, so the copy engine runs ahead of the tensor cores
+from one row block into the next. Per K step, four groups: three ``wgmma`` against P,
+then three per-mode ``wgmma`` (A from registers, B W's ``[64, G]`` slice), the next
+group's permutation queued before this group's products; the K steps of a row block
+are unrolled, so the tensor pipe drains once per row block, where its three
+accumulators are joined and stored, bias on the m = 0 slot. One warpgroup, one
+program per SM (its registers and shared memory).
 
-Measured on the H200 (chapter 2, history ``session10_pm_*``; E = 47k, F = 192, one of
-cos and sin): 68 us against 114 for the Triton kernel of :mod:`ecekern.linear` and
-58 for cuBLAS's dense GEMM alone.
+Measured on the H200 (chapter 2, history ``session10_pm_*`` and ``session11_tc_*``;
+E = 47k, F = 192, one of cos and sin): bf16 65 us against 118 for the Triton kernel
+of :mod:`ecekern.linear` and 56 for cuBLAS's dense GEMM alone; TF32 165 us against
+144 for the Triton kernel, which the library therefore keeps in TF32
+(``linear.TF32_TRITON``). Nsight Compute (bf16): one warp per scheduler, none
+eligible 74 % of the cycles, DRAM 29 % busy, L1/shared 65 %.
 
-Scope: bf16, n_ang = 3, K and O multiples of 64 with K <= 256 (W's slice and the ring
-share the shared memory), contiguous x and w with 16-byte aligned bases, a CUDA device
-with Gluon and host-side tensor descriptors.
+Scope: bf16 and fp32, n_ang = 3, O a multiple of 64, K a multiple of 4 G with
+K <= ``MAX_K`` (W's slice and the ring share the shared memory), contiguous x and w
+with 16-byte aligned bases, a CUDA device with Gluon and host-side tensor descriptors.
 :func:`tc_reason` says why a call cannot be served, and
 :func:`ecekern.linear.eqlin_fwd` then runs the Triton kernel, which serves every case.
 Gluon does not run in Triton's CPU interpreter.
@@ -80,11 +87,14 @@ class Launch(NamedTuple):
 
 #: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
 #: largest K (W's slice, ``3 x BO x K``, and the ring of x share the SM's shared
-#: memory), the launch.
+#: memory, 227 KB; offline sm_90 builds: bf16 195 KB at K = 256, 219 KB and spills at
+#: 320; fp32 216 KB at 192), the launch (session 11's runs B and C, history
+#: session11_tc_*: of 4 to 8 warps, 32 or 64 outputs, 2 to 5 stages and 1 or 2
+#: programs per SM, these were the fastest; bf16 at 3 and 4 stages within 1 %).
 BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}
 LAUNCH = {
-    torch.bfloat16: Launch(64, 4, 4, 1),
+    torch.bfloat16: Launch(64, 4, 3, 1),
     torch.float32: Launch(64, 4, 2, 1),
 }
 

@@ -76,7 +76,9 @@ def test_reason_names_what_the_kernel_cannot_serve(change, reason, monkeypatch):
         linear_tc.tc_fwd(x, w, None)
 
 
-@pytest.mark.parametrize("cfg", ["BF16_TC", "TF32_TC"])
+@pytest.mark.parametrize(
+    "cfg", [linear.BF16_TC, linear.TF32_TRITON._replace(tc=True)], ids=["bf16", "tf32"]
+)
 def test_forward_and_input_backward_hand_the_kernel_contiguous_weights(
     cfg, monkeypatch
 ):
@@ -95,7 +97,7 @@ def test_forward_and_input_backward_hand_the_kernel_contiguous_weights(
         def __getitem__(self, grid):
             return lambda *args, **meta: launches.append(meta)
 
-    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": getattr(linear, cfg))
+    monkeypatch.setattr(linear, "_config", lambda d, kind="fwd": cfg)
     monkeypatch.setattr(linear_tc, "tc_reason", lambda x, w: None)
     monkeypatch.setattr(linear_tc, "shape_reason", lambda *a: None)
     monkeypatch.setattr(linear_tc, "tc_fwd", fake_tc)
@@ -140,6 +142,16 @@ def tf32():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def _tc_on(monkeypatch):
+    """The path's forward configs with the ``tc`` switch on: TF32 does not run
+    linear_tc by default (the Triton kernel is faster), bf16 does."""
+    saved = linear._config
+    monkeypatch.setattr(
+        linear, "_config", lambda d, kind="fwd": saved(d, kind)._replace(tc=True)
+    )
+    return saved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -171,9 +183,9 @@ def test_gpu_tc_forward_matches_float64(dtype, B, K, O, bias, tf32, monkeypatch)
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(dtype, tf32, monkeypatch):
-    """The library's bf16 and TF32 paths run linear_tc (forward and input backward)
-    at the model's width, and agree with the Triton kernel it replaced to within
-    rounding; gradients against float64."""
+    """With the ``tc`` switch on (bf16's default), the path runs linear_tc (forward
+    and input backward) at the model's width, and agrees with the Triton kernel to
+    within rounding; gradients against float64."""
     x_c, w, b = _xw(4999, 192, 192, dtype=dtype, device="cuda")
     x_s = _xw(4999, 192, 192, dtype=dtype, device="cuda", seed=1)[0]
     calls = []
@@ -181,11 +193,12 @@ def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(dtype, tf32, monke
     monkeypatch.setattr(
         linear_tc, "tc_fwd", lambda *a: calls.append(a[1].shape) or real(*a)
     )
+    assert linear._config(dtype).tc == (dtype == torch.bfloat16)
+    saved = _tc_on(monkeypatch)
     x_c.requires_grad_(True)
     y_c, y_s = linear._EquivariantLinearFn.apply(x_c, x_s, w, b)
     (gx,) = torch.autograd.grad((y_c.float() ** 2).sum() + y_s.float().sum(), x_c)
     assert len(calls) == 3  # cos, sin, the input backward of cos (sin needs none)
-    saved = linear._config
     monkeypatch.setattr(
         linear, "_config", lambda d, kind="fwd": saved(d, kind)._replace(tc=False)
     )
@@ -203,8 +216,9 @@ def test_gpu_tc_matches_the_triton_kernel_and_serves_the_path(dtype, tf32, monke
 def test_gpu_calls_it_cannot_serve_run_the_triton_kernel(
     dtype, k_odd, tf32, monkeypatch
 ):
-    """K not a multiple of the K step, and a non-contiguous x: the Triton kernel,
-    correct, and linear_tc is not called."""
+    """With the ``tc`` switch on, K not a multiple of the K step, and a
+    non-contiguous x: the Triton kernel, correct, and linear_tc is not called."""
+    _tc_on(monkeypatch)
     monkeypatch.setattr(
         linear_tc, "tc_fwd", lambda *a: pytest.fail("linear_tc ran where it cannot")
     )
