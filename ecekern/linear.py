@@ -60,9 +60,10 @@ were 2x slower; a Gluon one with the A operand in registers and one interleaved 
 runs at about this kernel's speed (chapter 2, not in the library). bf16 at n_ang = 3 (K
 and O multiples of 64, K <= 256) runs the Gluon kernel of :mod:`ecekern.linear_tc`
 instead, in which a ``wgmma`` against 0/1 matrices splits the modes and its accumulator
-feeds the per-mode ``wgmma`` from registers: 67.6 against 114.5 us (launch sweep at
-bf7f103), 0.130 against 0.131 ms for the dense GEMM cos and sin at 47k, 0.901 against
-0.811 at 365k.
+feeds the per-mode ``wgmma`` from registers: 65.2 against 116.9 us (launch sweep at
+e8c40dd), 0.127 against 0.131 ms for the dense GEMM cos and sin at 47k, 0.886 against
+0.811 at 365k. Its TF32 version took 163.9 us against 144.0 for the Triton kernel in
+the same sweep, so TF32 keeps the Triton kernel (``TF32_TRITON``).
 Strict fp32 at n_ang = 3 runs the Gluon kernel of :mod:`ecekern.linear_fma` instead (the
 Triton kernel's shared-memory loads were 77 % bank conflicts): 324 against 874 us
 (3f0d85e), faster than the einsum (0.64 against 0.98 ms cos and sin at 47k). The input
