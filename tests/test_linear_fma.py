@@ -114,7 +114,7 @@ def test_gpu_fma_input_backward_reads_w_transposed_in_place(B, K, O):
     lies (no copy)."""
     bench.set_tf32(False)
     x, w, _ = _xw(B, K, O, device="cuda", seed=2)
-    g = torch.randn(B, O, 3, device="cuda")
+    g = torch.randn(B, O, 3, device="cuda", dtype=torch.float32)
     wt = w.transpose(1, 2)
     assert linear_fma.o_contiguous(wt) is wt
     assert linear_fma.o_contiguous(w).stride(1) == 1
