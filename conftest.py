@@ -23,3 +23,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for one test, restored after it. The files of
+    the reference maths use it (``pytestmark``); set at import, the default leaked
+    into every test file collected after them."""
+    import torch
+
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(saved)

@@ -171,6 +171,37 @@ def _stage(xs, ws, buf, xr, w0, w1, w2, BB: gl.constexpr):
 
 
 @_jit
+def _store_modes(
+    acc0, acc1, acc2, y_ptr, b_ptr, row0, col0, B, O, stride_yb,
+    HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Rows ``row0 ..`` and outputs ``col0 ..`` of y ``(B, O, 3)``, ``[BB, BO]`` per
+    mode: the modes joined in registers, ``[BB, BO, 4]`` (slot 3 a dummy), converted
+    so that lanes run along the outputs (a warp stores 32 outputs x 3 modes, 96
+    contiguous elements of y), the bias on the m = 0 slot. This kernel's epilogue and
+    :mod:`ecekern.linear_tc`'s."""
+    st_l: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
+    )
+    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
+    t4 = gl.convert_layout(t4, st_l)
+    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
+    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+    mm = mm[None, None, :]
+    rows = row0.to(gl.int64) + r[:, None, None]
+    cols = col0 + c[None, :, None]
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + col0 + c, mask=col0 + c < O, other=0.0)
+        t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
+    gl.store(
+        y_ptr + rows * stride_yb + cols * 3 + mm,
+        t4.to(y_ptr.dtype.element_ty),
+        mask=(rows < B) & (cols < O) & (mm < 3),
+    )
+
+
+@_jit
 def _eqlin_fwd_fma_kernel(
     x_ptr,
     w_ptr,
@@ -256,28 +287,10 @@ def _eqlin_fwd_fma_kernel(
         _stage(xs, ws, nx, xr, w0, w1, w2, BB)
         gl.thread_barrier()  # buffer s is free, buffer nx is written
 
-    # the modes joined in registers, [BB, BO, 4] (slot 3 a dummy), converted so that
-    # lanes run along the outputs: a warp stores 32 outputs x 3 modes, 384
-    # contiguous bytes of y; the bias joins the m = 0 slot
-    st_l: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
-    )
-    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
-    t4 = gl.convert_layout(t4, st_l)
-    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
-    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
-    m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
-    rows = rb.to(gl.int64) * BB + r[:, None, None]
-    cols = o0 + c[None, :, None]
-    mm = m[None, None, :]
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + o0 + c, mask=o0 + c < O, other=0.0)
-        t4 = t4 + gl.where(mm == 0, bias[None, :, None], 0.0)
-    gl.store(
-        y_ptr + rows * stride_yb + cols * 3 + mm,
-        t4,
-        mask=(rows < B) & (cols < O) & (mm < 3),
-    )
+    _store_modes(
+        acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb, HAS_BIAS, BB,
+        BO, num_warps,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ try:
 except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
     gluon = gl = None
 
+from .linear_fma import _store_modes  # noqa: E402  (y's epilogue, shared)
+
 __all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
 
 
@@ -225,34 +227,6 @@ def _load_x(
 
 
 @_jit
-def _store_y(
-    acc0, acc1, acc2, y_ptr, b_ptr, row0, col0, B, O, stride_yb,
-    HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """Rows ``row0 ..`` and outputs ``col0 ..`` of y, ``[BB, BO]`` per mode: the
-    modes joined in registers, one interleaved store, bias on the m = 0 slot."""
-    st_l: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
-    )
-    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
-    t4 = gl.convert_layout(t4, st_l)
-    r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
-    c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
-    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
-    mm = mm[None, None, :]
-    rows = row0.to(gl.int64) + r[:, None, None]
-    cols = col0 + c[None, :, None]
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + col0 + c, mask=col0 + c < O, other=0.0)
-        t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
-    gl.store(
-        y_ptr + rows * stride_yb + cols * 3 + mm,
-        t4.to(y_ptr.dtype.element_ty),
-        mask=(rows < B) & (cols < O) & (mm < 3),
-    )
-
-
-@_jit
 def _eqlin_fwd_tc_kernel(
     x_desc,
     w_desc,
@@ -360,7 +334,7 @@ def _eqlin_fwd_tc_kernel(
             )
         # 4. the row block's y: the modes joined, stored
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
-        _store_y(
+        _store_modes(
             acc0, acc1, acc2, y_ptr, b_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
             stride_yb, HAS_BIAS, BB, BO, num_warps,
         )  # fmt: skip

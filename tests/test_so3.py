@@ -9,16 +9,7 @@ from ecekern.testing import random_rotation
 
 G = lambda s: torch.Generator().manual_seed(s)
 
-
-@pytest.fixture(autouse=True)
-def _float64_default():
-    """This file's tensors are float64 unless they say otherwise. Set per test and
-    restored after it: set at import, the default leaked into every test file
-    collected after this one (strict-fp32 GPU tests then ran in float64)."""
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(saved)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _sphere_quadrature(n: int):
