@@ -957,7 +957,7 @@ def eqlin_fwd(
                 w = _w_t_copy(w).transpose(1, 2)
             return linear_fma.fma_fwd(x, w, bias, cfg.fma)
         cfg = FP32_TRITON
-    if cfg.tc:  # bf16, TF32: the tensor cores split the modes, where it serves
+    if cfg.tc:  # the tensor cores split the modes (bf16's config), where it serves
         if linear_tc.tc_reason(x, w) is None:
             return linear_tc.tc_fwd(x, w, bias)
         cfg = cfg._replace(tc=False)

@@ -637,14 +637,18 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
     ]
     # bf16 and TF32: the Gluon kernel that splits the modes on the tensor cores
     # (the library runs it in bf16; in TF32 it lost to the Triton kernel)
-    runs += [
-        (dt, tf32, "tc", (16 * ln.warps, bk, ln.block_o, ln.warps), ln.stages, cfg)
-        for dt, tf32, dtype, bk, cfg in (
-            ("bfloat16", False, torch.bfloat16, 64, linear.BF16_TC),
-            ("float32", True, torch.float32, 32, linear.TF32_TRITON._replace(tc=True)),
+    for dt, tf32, cfg in (
+        ("bfloat16", False, linear.BF16_TC),
+        ("float32", True, linear.TF32_TRITON._replace(tc=True)),
+    ):
+        ln = linear_tc.LAUNCH[getattr(torch, dt)]
+        tile = (
+            16 * ln.warps,
+            linear_tc.BLOCK_K[getattr(torch, dt)],
+            ln.block_o,
+            ln.warps,
         )
-        for ln in (linear_tc.LAUNCH[dtype],)
-    ]
+        runs.append((dt, tf32, "tc", tile, ln.stages, cfg))
     for dt, tf32, name, tile, stages, cfg in runs:
         bench.set_tf32(tf32)
         dtype = getattr(torch, dt)
