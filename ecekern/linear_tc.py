@@ -76,6 +76,11 @@ from .linear_fma import _store_modes  # noqa: E402  (y's epilogue, shared)
 __all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
 
 
+def group_size(dtype: torch.dtype) -> int:
+    """Inputs per group G, the k of one ``wgmma``: 16 in bf16, 8 in TF32."""
+    return 16 if dtype == torch.bfloat16 else 8
+
+
 class Launch(NamedTuple):
     """One launch of the kernel: outputs per program (each mode), warps (4: one
     warpgroup on 64 rows; 8: two on 128), K steps of x in the ring, programs per SM
@@ -90,10 +95,10 @@ class Launch(NamedTuple):
 #: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
 #: largest K (W's slice, ``3 x BO x K``, and the ring of x share the SM's shared
 #: memory, 227 KB; offline sm_90 builds: bf16 195 KB at K = 256, 219 KB and spills at
-#: 320; fp32 216 KB at 192), the launch (session 11's runs B and C, history
+#: 320; fp32 216 KB at 192, 20 spill instructions since the K steps were unrolled), the launch (session 11's runs B and C, history
 #: session11_tc_*: of 4 to 8 warps, 32 or 64 outputs, 2 to 5 stages and 1 or 2
 #: programs per SM, these were the fastest; bf16 at 3 and 4 stages within 1 %).
-BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}
+BLOCK_K = {dt: 4 * group_size(dt) for dt in (torch.bfloat16, torch.float32)}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}
 LAUNCH = {
     torch.bfloat16: Launch(64, 4, 3, 1),
@@ -104,11 +109,6 @@ LAUNCH = {
 # --------------------------------------------------------------------------------------
 # the permutation, on the host
 # --------------------------------------------------------------------------------------
-def group_size(dtype: torch.dtype) -> int:
-    """Inputs per group G, the k of one ``wgmma``: 16 in bf16, 8 in TF32."""
-    return 16 if dtype == torch.bfloat16 else 8
-
-
 def mode_split_matrices(
     dtype=torch.bfloat16, device="cpu", G: int | None = None
 ) -> torch.Tensor:

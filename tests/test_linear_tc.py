@@ -121,7 +121,7 @@ def test_forward_and_input_backward_hand_the_kernel_contiguous_weights(
     assert len(seen) == 3 and len(launches) == 1 and launches[0]["BLOCK_K"] == 32
 
 
-def _bf16_truth(x, w, b):
+def _truth(x, w, b):
     return reference.equivariant_linear(
         x.double(), x.double(), w.double(), None if b is None else b.double()
     )[0]
@@ -167,7 +167,7 @@ def test_gpu_tc_forward_matches_float64(dtype, B, K, O, bias, tf32, monkeypatch)
     assert linear_tc.tc_reason(x, w) is None
     y = linear_tc.tc_fwd(x, w, b)
     assert y.shape == (B, O, 3) and y.dtype == dtype
-    truth = _bf16_truth(x, w, b)
+    truth = _truth(x, w, b)
     err = rel_err(y.double(), truth)
     saved = linear._config
     monkeypatch.setattr(
@@ -227,7 +227,7 @@ def test_gpu_calls_it_cannot_serve_run_the_triton_kernel(
         if mangle:
             x = x.transpose(0, 1).contiguous().transpose(0, 1)
         y = linear.eqlin_fwd(x, w, b)
-        assert rel_err(y.double(), _bf16_truth(x, w, b)) < 4e-3
+        assert rel_err(y.double(), _truth(x, w, b)) < 4e-3
 
 
 @pytest.mark.skipif(linear_tc.gluon is None, reason="this Triton has no Gluon")
