@@ -95,9 +95,10 @@ class Launch(NamedTuple):
 #: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
 #: largest K (W's slice, ``3 x BO x K``, and the ring of x share the SM's shared
 #: memory, 227 KB; offline sm_90 builds: bf16 195 KB at K = 256, 219 KB and spills at
-#: 320; fp32 216 KB at 192, 20 spill instructions since the K steps were unrolled), the launch (session 11's runs B and C, history
-#: session11_tc_*: of 4 to 8 warps, 32 or 64 outputs, 2 to 5 stages and 1 or 2
-#: programs per SM, these were the fastest; bf16 at 3 and 4 stages within 1 %).
+#: 320; fp32 216 KB at 192, with 20 spill instructions since the K steps were
+#: unrolled), the launch (session 11's runs B and C, history session11_tc_*: of 4 to
+#: 8 warps, 32 or 64 outputs, 2 to 5 stages and 1 or 2 programs per SM, these were
+#: the fastest; bf16 at 3 and 4 stages within 1 %).
 BLOCK_K = {dt: 4 * group_size(dt) for dt in (torch.bfloat16, torch.float32)}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}
 LAUNCH = {
