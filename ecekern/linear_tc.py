@@ -25,22 +25,24 @@ The permutation costs as many tensor-core operations as the products it feeds.
 
 One program owns a block of ``BO = 64`` outputs of every mode and keeps that slice of
 W (``3 x 64 x K``: 72 KB in bf16, 144 KB in fp32 at K = 192) in shared memory for its
-life, loaded once by TMA; x streams through a ring of K steps of 4 G inputs (three
-interleaved boxes of 64 rows of 128 bytes each, by TMA, zero past the last row)
-across the program's row blocks, so the copy engine runs ahead of the tensor cores
-from one row block into the next. Per K step, four groups: three ``wgmma`` against P,
-then three per-mode ``wgmma`` (A from registers, B W's ``[64, G]`` slice), the next
-group's permutation queued before this group's products; the K steps of a row block
-are unrolled, so the tensor pipe drains once per row block, where its three
-accumulators are joined and stored, bias on the m = 0 slot. One warpgroup, one
-program per SM (its registers and shared memory).
+life, loaded once by TMA. Its row blocks (64 rows each) go to C consumer warpgroups
+in turn (``Launch``; two in bf16, so that one's ``wgmma`` run while the other waits
+for x or stores its y), and a loader warp streams x into each consumer's own ring of
+K steps of 4 G inputs (three interleaved boxes of 64 rows of 128 bytes each, by TMA,
+zero past the last row), so the copy engine runs ahead of the tensor cores from one
+row block into the next. Per K step, four groups: three ``wgmma`` against P, then
+three per-mode ``wgmma`` (A from registers, B W's ``[64, G]`` slice), the next
+group's permutation queued before this group's products; a stage goes back to the
+loader once its permutations are done. The K steps of a row block are unrolled, so
+the tensor pipe drains once per row block, where its three accumulators are joined
+and stored, bias on the m = 0 slot. One program per SM (its shared memory).
 
-Measured on the H200 (chapter 2, history ``session10_pm_*`` and ``session11_tc_*``;
-E = 47k, F = 192, one of cos and sin): bf16 65 us against 118 for the Triton kernel
-of :mod:`ecekern.linear` and 56 for cuBLAS's dense GEMM alone; TF32 165 us against
-144 for the Triton kernel, which the library therefore keeps in TF32
-(``linear.TF32_TRITON``). Nsight Compute (bf16): one warp per scheduler, none
-eligible 74 % of the cycles, DRAM 29 % busy, L1/shared 65 %.
+Measured on the H200 (chapter 2, history ``session10_pm_*``, ``session11_tc_*`` and
+``session12_ws_*``; E = 47k, F = 192, one of cos and sin): bf16 60 us with two
+consumers (65 with session 11's single warpgroup that loaded its own ring) against
+118 for the Triton kernel of :mod:`ecekern.linear` and 56 for cuBLAS's dense GEMM
+alone; TF32 160 us against 144 for the Triton kernel, which the library therefore
+keeps in TF32 (``linear.TF32_TRITON``).
 
 Scope: bf16 and fp32, n_ang = 3, O a multiple of 64, K a multiple of 4 G with
 K <= ``MAX_K`` (W's slice and the ring share the shared memory), contiguous x and w
@@ -82,29 +84,47 @@ def group_size(dtype: torch.dtype) -> int:
 
 
 class Launch(NamedTuple):
-    """One launch of the kernel: outputs per program (each mode), warps (4: one
-    warpgroup on 64 rows; 8: two on 128), K steps of x in the ring, programs per SM
-    (the grid: at most that many times the SM count)."""
+    """One launch of the kernel: outputs per program (each mode), consumer
+    warpgroups per program (each 64 rows at a time, alternate row blocks; a loader
+    warp feeds them), K steps of x in each consumer's ring, and the register cap of
+    a second consumer (``setmaxnreg``; the first takes what the compiler gives it).
+    One program per SM."""
 
     block_o: int
-    warps: int
+    consumers: int
     stages: int
-    per_sm: int
+    regs: int
 
 
 #: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
-#: largest K (W's slice, ``3 x BO x K``, and the ring of x share the SM's shared
-#: memory, 227 KB; offline sm_90 builds: bf16 195 KB at K = 256, 219 KB and spills at
-#: 320; fp32 216 KB at 192, with 20 spill instructions since the K steps were
-#: unrolled), the launch (session 11's runs B and C, history session11_tc_*: of 4 to
-#: 8 warps, 32 or 64 outputs, 2 to 5 stages and 1 or 2 programs per SM, these were
-#: the fastest; bf16 at 3 and 4 stages within 1 %).
+#: largest K (W's slice, ``3 x BO x K``, and the rings of x share the SM's shared
+#: memory, 227 KB), the launch, and the launch past ``TWO_MAX_K``, where two rings
+#: no longer fit beside W. Offline sm_90 builds (history session12_ws_compile): bf16
+#: two consumers of 2 stages 211 KB at K = 192, 236 KB and spills at 256 (1 stage
+#: each: 186 KB); one consumer of 3 stages 195 KB at 256; fp32 one of 2 stages 216 KB
+#: at 192 (4 spill instructions). Session 12's run A (history session12_ws_a, bf16 at
+#: 47k and 365k rows, K = O = 192): two consumers of 2 stages with 216 registers
+#: 60.4 / 389.2 us; 232 registers 62.0 / 407.3; 200 registers 71.0 / 449.3; 1 stage
+#: each 71.1 / 461.3; one consumer of 3 stages 62.6 / 417.3, of 2 stages 70.3 /
+#: 469.2; session 11's kernel 65.2 / 438.0. At K = O = 256 (47k): one of 3 stages
+#: 92.2, two of 1 stage 101.0, session 11's 96.6. TF32 (47k / 365k): one consumer
+#: of 2 stages 159.7 / 1137.1, session 11's 164.6 / 1195.1.
 BLOCK_K = {dt: 4 * group_size(dt) for dt in (torch.bfloat16, torch.float32)}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}
+TWO_MAX_K = {torch.bfloat16: 192, torch.float32: 0}
 LAUNCH = {
-    torch.bfloat16: Launch(64, 4, 3, 1),
-    torch.float32: Launch(64, 4, 2, 1),
+    torch.bfloat16: Launch(64, 2, 2, 216),
+    torch.float32: Launch(64, 1, 2, 0),
 }
+ONE = {
+    torch.bfloat16: Launch(64, 1, 3, 0),
+    torch.float32: Launch(64, 1, 2, 0),
+}
+
+
+def launch(dtype: torch.dtype, K: int) -> Launch:
+    """The launch for K inputs: ``LAUNCH`` where its rings fit, else ``ONE``."""
+    return LAUNCH[dtype] if K <= TWO_MAX_K[dtype] else ONE[dtype]
 
 
 # --------------------------------------------------------------------------------------
@@ -209,83 +229,17 @@ def _products(
 
 
 @_jit
-def _load_x(
-    x_desc, xs, bar, t, pid_r, nprog_r, NKB: gl.constexpr, STAGES: gl.constexpr, pred
-):
-    """Step t of this program (row block ``t // NKB``, K box ``t % NKB``) into its
-    stage: three TMA boxes of ``[64, 4 G]`` signalling the stage's barrier."""
-    BB: gl.constexpr = x_desc.block_type.shape[0]
-    BX: gl.constexpr = x_desc.block_type.shape[1]
-    s = t % STAGES
-    rb = pid_r + (t // NKB) * nprog_r
-    kk = t % NKB
-    mbarrier.expect(bar.index(s), 3 * x_desc.block_type.nbytes, pred=pred)
-    for b in gl.static_range(3):
-        tma.async_copy_global_to_shared(
-            x_desc, [rb * BB, 3 * BX * kk + BX * b], bar.index(s), xs.index(3 * s + b),
-            pred=pred,
-        )  # fmt: skip
-
-
-@_jit
-def _eqlin_fwd_tc_kernel(
-    x_desc,
-    w_desc,
-    p_ptr,
-    b_ptr,
-    y_ptr,
-    B,
-    O,
-    stride_yb,
-    n_rb,
-    HAS_BIAS: gl.constexpr,
-    BO: gl.constexpr,
-    NKB: gl.constexpr,
-    STAGES: gl.constexpr,
+def _consume(
+    xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
+    n_mine, c: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BO: gl.constexpr, NKB: gl.constexpr, STAGES: gl.constexpr, G: gl.constexpr,
     num_warps: gl.constexpr,
-):
-    BB: gl.constexpr = x_desc.block_type.shape[0]  # rows: 16 a warp
-    dt: gl.constexpr = x_desc.dtype
-    G: gl.constexpr = 16 if dt == gl.bfloat16 else 8  # inputs per group, wgmma's k
+):  # fmt: skip
+    """Consumer c of C (one warpgroup): the program's row blocks c, c + C, ..,
+    each K step from its own ring (stages ``c STAGES ..``), which it hands back
+    to the loader as soon as the step's permutations are done."""
+    BB: gl.constexpr = 64  # rows: one warpgroup, 16 a warp
     BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
-    ob = gl.program_id(0)
-    pid_r = gl.program_id(1)
-    nprog_r = gl.num_programs(1)
-    o0 = ob * BO
-
-    xs = gl.allocate_shared_memory(dt, [3 * STAGES, BB, BX], x_desc.layout)
-    ws = gl.allocate_shared_memory(dt, [3 * NKB, BO, BX], w_desc.layout)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BX, G], dt)
-    ps = gl.allocate_shared_memory(dt, [3, BX, G], p_sl)
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    wbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bar.index(i), count=1)
-    mbarrier.init(wbar.index(0), count=1)
-
-    # 1. this program's slice of W, once: mode m, K box kb -> ws[m NKB + kb]
-    mbarrier.expect(wbar.index(0), 3 * NKB * w_desc.block_type.nbytes)
-    for m in gl.static_range(3):
-        for kb in gl.static_range(NKB):
-            tma.async_copy_global_to_shared(
-                w_desc, [m * O + o0, BX * kb], wbar.index(0), ws.index(m * NKB + kb)
-            )
-    # the three slices of P
-    pl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
-    pn = gl.arange(0, BX, layout=gl.SliceLayout(1, pl))[:, None]
-    pc = gl.arange(0, G, layout=gl.SliceLayout(0, pl))[None, :]
-    for j in gl.static_range(3):
-        ps.index(j).store(gl.load(p_ptr + j * BX * G + pn * G + pc))
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # 2. the ring: STAGES steps in flight before the first is used
-    n_mine = gl.cdiv(n_rb - pid_r, nprog_r)  # this program's row blocks
-    total = n_mine * NKB
-    for t0 in gl.static_range(STAGES):
-        _load_x(x_desc, xs, bar, t0, pid_r, nprog_r, NKB, STAGES, t0 < total)
-    mbarrier.wait(wbar.index(0), 0)
-
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BO, G]
     )
@@ -299,12 +253,12 @@ def _eqlin_fwd_tc_kernel(
     acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
-    for i in range(n_mine):
+    j = 0  # this consumer's K steps so far
+    for i in range(c, n_mine, C):
         for kk in gl.static_range(NKB):  # the K steps, unrolled: no drain between
-            t = i * NKB + kk
-            s = t % STAGES
-            mbarrier.wait(bar.index(s), (t // STAGES) & 1)
-            # 3. four groups: at most two permutations and two sets of products
+            s = c * STAGES + j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            # four groups: at most two permutations and two sets of products
             # queued, waited for oldest first (wgmma groups retire in order)
             p0 = _split_modes(xs, ps, s, 0, zero, G)
             p1 = _split_modes(xs, ps, s, 1, zero, G)
@@ -323,21 +277,153 @@ def _eqlin_fwd_tc_kernel(
                 p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB, G
             )
             p3 = warpgroup_mma_wait(3, deps=[p3])
-            # every warp's permutations of stage s are done (the products read
-            # registers and W): the ring refills it with step t + STAGES
-            gl.thread_barrier()
-            _load_x(
-                x_desc, xs, bar, t + STAGES, pid_r, nprog_r, NKB, STAGES,
-                t + STAGES < total,
-            )  # fmt: skip
+            # the stage's permutations are done (the products read registers and
+            # W): it goes back to the loader
+            mbarrier.arrive(empty.index(s), count=1)
             acc0, acc1, acc2 = _products(
                 p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB, G
             )
-        # 4. the row block's y: the modes joined, stored
+            j += 1
+        # the row block's y: the modes joined, stored
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
         _store_modes(
             acc0, acc1, acc2, y_ptr, b_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
             stride_yb, HAS_BIAS, BB, BO, num_warps,
+        )  # fmt: skip
+
+
+@_jit
+def _load_step(
+    x_desc, xs, ready, empty, s, t, rb, kk: gl.constexpr, STAGES: gl.constexpr
+):
+    """K box kk of row block rb into stage s, the t-th use of that stage's ring
+    position: wait until its consumer gave it back, then three TMA boxes of
+    ``[64, 4 G]`` that signal its ready barrier."""
+    BB: gl.constexpr = x_desc.block_type.shape[0]
+    BX: gl.constexpr = x_desc.block_type.shape[1]
+    mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the first pass is free
+    mbarrier.expect(ready.index(s), 3 * x_desc.block_type.nbytes)
+    for b in gl.static_range(3):
+        tma.async_copy_global_to_shared(
+            x_desc, [rb * BB, 3 * BX * kk + BX * b], ready.index(s), xs.index(3 * s + b)
+        )
+
+
+@_jit
+def _load(
+    x_desc, xs, ready, empty, pid_r, nprog_r, n_mine,
+    C: gl.constexpr, NKB: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """The loader (one warp): x's K steps into the C rings, row block i to
+    consumer i mod C, a round of C row blocks at a time."""
+    t = 0  # K steps per ring so far (the same for every ring)
+    for i in range(0, n_mine, C):
+        for kk in gl.static_range(NKB):
+            for c in gl.static_range(C):
+                if i + c < n_mine:
+                    _load_step(
+                        x_desc, xs, ready, empty, c * STAGES + t % STAGES, t,
+                        pid_r + (i + c) * nprog_r, kk, STAGES,
+                    )  # fmt: skip
+            t += 1
+
+
+@_jit
+def _eqlin_fwd_tc_kernel(
+    x_desc,
+    w_desc,
+    p_ptr,
+    b_ptr,
+    y_ptr,
+    B,
+    O,
+    stride_yb,
+    n_rb,
+    HAS_BIAS: gl.constexpr,
+    BO: gl.constexpr,
+    NKB: gl.constexpr,
+    C: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BB: gl.constexpr = x_desc.block_type.shape[0]  # rows: 16 a warp
+    dt: gl.constexpr = x_desc.dtype
+    G: gl.constexpr = 16 if dt == gl.bfloat16 else 8  # inputs per group, wgmma's k
+    BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
+    ob = gl.program_id(0)
+    pid_r = gl.program_id(1)
+    nprog_r = gl.num_programs(1)
+    o0 = ob * BO
+
+    xs = gl.allocate_shared_memory(dt, [3 * C * STAGES, BB, BX], x_desc.layout)
+    ws = gl.allocate_shared_memory(dt, [3 * NKB, BO, BX], w_desc.layout)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BX, G], dt)
+    ps = gl.allocate_shared_memory(dt, [3, BX, G], p_sl)
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    ready = gl.allocate_shared_memory(gl.int64, [C * STAGES, 1], bl)
+    empty = gl.allocate_shared_memory(gl.int64, [C * STAGES, 1], bl)
+    wbar = gl.allocate_shared_memory(gl.int64, [1, 1], bl)
+    for i in gl.static_range(C * STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(wbar.index(0), count=1)
+
+    # 1. this program's slice of W, once: mode m, K box kb -> ws[m NKB + kb]
+    mbarrier.expect(wbar.index(0), 3 * NKB * w_desc.block_type.nbytes)
+    for m in gl.static_range(3):
+        for kb in gl.static_range(NKB):
+            tma.async_copy_global_to_shared(
+                w_desc, [m * O + o0, BX * kb], wbar.index(0), ws.index(m * NKB + kb)
+            )
+    # the three slices of P
+    pl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])
+    pn = gl.arange(0, BX, layout=gl.SliceLayout(1, pl))[:, None]
+    pc = gl.arange(0, G, layout=gl.SliceLayout(0, pl))[None, :]
+    for j in gl.static_range(3):
+        ps.index(j).store(gl.load(p_ptr + j * BX * G + pn * G + pc))
+    fence_async_shared()
+    mbarrier.wait(wbar.index(0), 0)
+    gl.thread_barrier()
+
+    # 2. C consumer warpgroups on alternate row blocks, a loader warp feeding them
+    # (Gluon wants each partition's argument tuple written out)
+    n_mine = gl.cdiv(n_rb - pid_r, nprog_r)  # this program's row blocks
+    if C == 2:
+        gl.warp_specialize(
+            [
+                (
+                    _consume,
+                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                     pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
+                     num_warps),
+                ),
+                (
+                    _consume,
+                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                     pid_r, nprog_r, n_mine, 1, C, HAS_BIAS, BO, NKB, STAGES, G,
+                     num_warps),
+                ),
+                (_load, (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB,
+                         STAGES)),
+            ],
+            [num_warps, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _consume,
+                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                     pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
+                     num_warps),
+                ),
+                (_load, (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB,
+                         STAGES)),
+            ],
+            [1],
+            [24],
         )  # fmt: skip
 
 
@@ -409,17 +495,16 @@ def tc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     if B == 0:
         return y
     p, n_sms, box = _device_state(x)
-    bk, (bo, warps, stages, per_sm) = BLOCK_K[x.dtype], LAUNCH[x.dtype]
-    bb = 16 * warps
-    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [bb, bk], box)
+    bk, (bo, consumers, stages, regs) = BLOCK_K[x.dtype], launch(x.dtype, K)
+    x_desc = TensorDescriptor.from_tensor(x.view(B, 3 * K), [64, bk], box)
     w_desc = TensorDescriptor.from_tensor(w.view(3 * O, K), [bo, bk], box)
-    n_ot, n_rb = O // bo, triton.cdiv(B, bb)
-    # per_sm programs per SM: each output block gets a share of them, its programs
-    # walk the row blocks
-    grid = (n_ot, max(1, min(n_rb, per_sm * n_sms // n_ot)))
+    n_ot, n_rb = O // bo, triton.cdiv(B, 64)
+    # one program per SM: each output block gets a share of them, its programs walk
+    # the row blocks
+    grid = (n_ot, max(1, min(n_rb, n_sms // n_ot)))
     _eqlin_fwd_tc_kernel[grid](
         x_desc, w_desc, p, bias if bias is not None else w, y, B, O,
         y.stride(0), n_rb, HAS_BIAS=bias is not None, BO=bo, NKB=K // bk,
-        STAGES=stages, num_warps=warps,
+        C=consumers, STAGES=stages, CONSUMER_REGS=regs, num_warps=4,
     )  # fmt: skip
     return y

@@ -127,7 +127,12 @@ def _truth(x, w, b):
     )[0]
 
 
-SIZES = [(1, 64, 64), (63, 64, 128), (130, 128, 64), (4999, 192, 192), (3, 256, 64)]
+# (B, K, O): programs with one row block (the second consumer idle), with odd and
+# even counts of them (20 000 and 9000 rows), and K past two rings (256)
+SIZES = [
+    (1, 64, 64), (63, 64, 128), (130, 128, 64), (4999, 192, 192), (3, 256, 64),
+    (20_000, 64, 64), (9000, 192, 192), (9000, 256, 128),
+]  # fmt: skip
 
 
 SIZES_TF32 = [(1, 32, 64), (63, 96, 128), (130, 64, 64), (4999, 192, 192)]
@@ -253,11 +258,12 @@ def test_launcher_grid_descriptors_and_device_state(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda d: made.append(d) or Props()
     )
-    for dt, B, K, O, want in (
-        (torch.bfloat16, 4999, 192, 192, (3, 44)),
-        (torch.bfloat16, 70, 64, 64, (1, 2)),
-        (torch.float32, 4999, 192, 192, (3, 44)),
-        (torch.float32, 70, 96, 128, (2, 2)),
+    for dt, B, K, O, want, consumers in (
+        (torch.bfloat16, 4999, 192, 192, (3, 44), 2),
+        (torch.bfloat16, 70, 64, 64, (1, 2), 2),
+        (torch.bfloat16, 300, 256, 128, (2, 5), 1),  # two rings no longer fit
+        (torch.float32, 4999, 192, 192, (3, 44), 1),
+        (torch.float32, 70, 96, 128, (2, 2), 1),
     ):
         x, w, b = _xw(B, K, O, dtype=dt)
         y = linear_tc.tc_fwd(x, w, b)
@@ -269,7 +275,9 @@ def test_launcher_grid_descriptors_and_device_state(monkeypatch):
         assert list(w_desc.shape) == [3 * O, K] and w_desc.block_shape == [64, bk]
         assert torch.equal(p, linear_tc.mode_split_matrices(dt))
         assert meta["NKB"] == K // bk and meta["HAS_BIAS"]
-        assert meta["STAGES"] == linear_tc.LAUNCH[dt].stages
+        ln = linear_tc.launch(dt, K)
+        assert ln.consumers == consumers
+        assert (meta["C"], meta["STAGES"], meta["CONSUMER_REGS"]) == ln[1:]
     assert made == [0, 0]  # the state is made once per device and dtype
     assert linear_tc.tc_fwd(*_xw(0, 64, 64)[:2], None).shape == (0, 64, 3)
-    assert len(launches) == 4  # no rows, no launch
+    assert len(launches) == 5  # no rows, no launch
