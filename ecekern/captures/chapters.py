@@ -641,12 +641,13 @@ def _linear_launch_sweep(out: Path, quick: bool) -> dict:
         ("bfloat16", False, linear.BF16_TC),
         ("float32", True, linear.TF32_TRITON._replace(tc=True)),
     ):
-        ln = linear_tc.LAUNCH[getattr(torch, dt)]
+        ln = linear_tc.launch(getattr(torch, dt), F)
+        # rows in flight per program, its warps: the consumers' and the loader's
         tile = (
-            16 * ln.warps,
+            64 * ln.consumers,
             linear_tc.BLOCK_K[getattr(torch, dt)],
             ln.block_o,
-            ln.warps,
+            4 * ln.consumers + 1,
         )
         runs.append((dt, tf32, "tc", tile, ln.stages, cfg))
     for dt, tf32, name, tile, stages, cfg in runs:
