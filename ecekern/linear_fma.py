@@ -176,14 +176,20 @@ def _store_modes(
     HAS_BIAS: gl.constexpr, BB: gl.constexpr, BO: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Rows ``row0 ..`` and outputs ``col0 ..`` of y ``(B, O, 3)``, ``[BB, BO]`` per
-    mode: the modes joined in registers, ``[BB, BO, 4]`` (slot 3 a dummy), converted
-    so that lanes run along the outputs (a warp stores 32 outputs x 3 modes, 96
-    contiguous elements of y), the bias on the m = 0 slot. This kernel's epilogue and
-    :mod:`ecekern.linear_tc`'s."""
+    mode: each mode rounded to y's dtype, the modes joined in registers, ``[BB, BO,
+    4]`` (slot 3 a dummy), converted so that lanes run along the outputs (a warp
+    stores 32 outputs x 3 modes, 96 contiguous elements of y). Rounding before the
+    conversion halves the bytes it moves through shared memory in bf16. The bias
+    goes on the m = 0 slot here only for an fp32 y (this kernel), where rounding
+    first changes nothing; :mod:`ecekern.linear_tc`, whose epilogue this also is,
+    starts its m = 0 accumulator at the bias instead."""
     st_l: gl.constexpr = gl.BlockedLayout(
         [1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0]
     )
-    t4 = gl.join(gl.join(acc0, acc2), gl.join(acc1, acc2)).reshape([BB, BO, 4])
+    dt: gl.constexpr = y_ptr.dtype.element_ty
+    gl.static_assert(dt == gl.float32 or not HAS_BIAS, "bias after rounding: fp32 y")
+    a0, a1, a2 = acc0.to(dt), acc1.to(dt), acc2.to(dt)
+    t4 = gl.join(gl.join(a0, a2), gl.join(a1, a2)).reshape([BB, BO, 4])
     t4 = gl.convert_layout(t4, st_l)
     r = gl.arange(0, BB, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
     c = gl.arange(0, BO, layout=gl.SliceLayout(0, gl.SliceLayout(2, st_l)))
@@ -196,7 +202,7 @@ def _store_modes(
         t4 = t4 + gl.where(mm == 0, bias.to(gl.float32)[None, :, None], 0.0)
     gl.store(
         y_ptr + rows * stride_yb + cols * 3 + mm,
-        t4.to(y_ptr.dtype.element_ty),
+        t4,
         mask=(rows < B) & (cols < O) & (mm < 3),
     )
 

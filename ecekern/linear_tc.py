@@ -37,11 +37,14 @@ loader once its permutations are done. The K steps of a row block are unrolled, 
 the tensor pipe drains once per row block, where its three accumulators are joined
 and stored, bias on the m = 0 slot. One program per SM (its shared memory).
 
+The epilogue rounds each mode to y's dtype before its layout conversion (half the
+bytes through shared memory in bf16), so the m = 0 accumulator starts at the bias.
+
 Measured on the H200 (chapter 2, history ``session10_pm_*``, ``session11_tc_*`` and
-``session12_ws_*``; E = 47k, F = 192, one of cos and sin): bf16 60 us with two
+``session12_*``; E = 47k, F = 192, one of cos and sin): bf16 59 us with two
 consumers (65 with session 11's single warpgroup that loaded its own ring) against
 118 for the Triton kernel of :mod:`ecekern.linear` and 56 for cuBLAS's dense GEMM
-alone; TF32 160 us against 144 for the Triton kernel, which the library therefore
+alone; TF32 156 us against 144 for the Triton kernel, which the library therefore
 keeps in TF32 (``linear.TF32_TRITON``).
 
 Scope: bf16 and fp32, n_ang = 3, O a multiple of 64, K a multiple of 4 G with
@@ -203,34 +206,33 @@ def _column_blocks(t, BB: gl.constexpr, G: gl.constexpr):
 
 @_jit
 def _products(
-    pq, ws, kk, g: gl.constexpr, acc0, acc1, acc2, use,
+    pq, ws, kk, g: gl.constexpr, acc0, acc1, acc2,
     a_l: gl.constexpr, BB: gl.constexpr, NKB: gl.constexpr, G: gl.constexpr,
 ):  # fmt: skip
     """The three modes' ``wgmma`` of input group g: A the split modes (registers, in
-    x's dtype), B W's ``[BO, G]`` slice of K box kk; ``use`` False starts a row
-    block."""
+    x's dtype), B W's ``[BO, G]`` slice of K box kk, added to the accumulators."""
     q0, q1, q2, _ = _column_blocks(pq.to(ws.dtype), BB, G)
     b0 = ws.index(kk).slice(G * g, G, dim=1).permute((1, 0))
     b1 = ws.index(NKB + kk).slice(G * g, G, dim=1).permute((1, 0))
     b2 = ws.index(2 * NKB + kk).slice(G * g, G, dim=1).permute((1, 0))
     acc0 = warpgroup_mma(
         gl.convert_layout(q0, a_l, assert_trivial=True), b0, acc0,
-        use_acc=use, is_async=True,
+        is_async=True,
     )  # fmt: skip
     acc1 = warpgroup_mma(
         gl.convert_layout(q1, a_l, assert_trivial=True), b1, acc1,
-        use_acc=use, is_async=True,
+        is_async=True,
     )  # fmt: skip
     acc2 = warpgroup_mma(
         gl.convert_layout(q2, a_l, assert_trivial=True), b2, acc2,
-        use_acc=use, is_async=True,
+        is_async=True,
     )  # fmt: skip
     return acc0, acc1, acc2
 
 
 @_jit
 def _consume(
-    xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
+    xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
     n_mine, c: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr,
     BO: gl.constexpr, NKB: gl.constexpr, STAGES: gl.constexpr, G: gl.constexpr,
     num_warps: gl.constexpr,
@@ -250,11 +252,18 @@ def _consume(
         operand_index=0, parent=acc_l, k_width=G // 8
     )
     zero = gl.zeros([BB, BX], gl.float32, layout=p_l)
-    acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
-    acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
-    acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     j = 0  # this consumer's K steps so far
     for i in range(c, n_mine, C):
+        # the accumulators start at the bias (m = 0) and zero: y's rounding is then
+        # the epilogue's last step, and the epilogue can move bf16. (The bias comes
+        # from shared memory: loaded from global memory in this layout its 64-bit
+        # pointers made the consumer spill.)
+        acc0 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
+        if HAS_BIAS:
+            bias = bs.load(gl.SliceLayout(0, acc_l))
+            acc0 = acc0 + bias.to(gl.float32)[None, :]
+        acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
+        acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
         for kk in gl.static_range(NKB):  # the K steps, unrolled: no drain between
             s = c * STAGES + j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -264,31 +273,31 @@ def _consume(
             p1 = _split_modes(xs, ps, s, 1, zero, G)
             p0 = warpgroup_mma_wait(3, deps=[p0])
             acc0, acc1, acc2 = _products(
-                p0, ws, kk, 0, acc0, acc1, acc2, kk > 0, a_l, BB, NKB, G
+                p0, ws, kk, 0, acc0, acc1, acc2, a_l, BB, NKB, G
             )
             p2 = _split_modes(xs, ps, s, 2, zero, G)
             p1 = warpgroup_mma_wait(6, deps=[p1])
             acc0, acc1, acc2 = _products(
-                p1, ws, kk, 1, acc0, acc1, acc2, True, a_l, BB, NKB, G
+                p1, ws, kk, 1, acc0, acc1, acc2, a_l, BB, NKB, G
             )
             p3 = _split_modes(xs, ps, s, 3, zero, G)
             p2 = warpgroup_mma_wait(6, deps=[p2])
             acc0, acc1, acc2 = _products(
-                p2, ws, kk, 2, acc0, acc1, acc2, True, a_l, BB, NKB, G
+                p2, ws, kk, 2, acc0, acc1, acc2, a_l, BB, NKB, G
             )
             p3 = warpgroup_mma_wait(3, deps=[p3])
             # the stage's permutations are done (the products read registers and
             # W): it goes back to the loader
             mbarrier.arrive(empty.index(s), count=1)
             acc0, acc1, acc2 = _products(
-                p3, ws, kk, 3, acc0, acc1, acc2, True, a_l, BB, NKB, G
+                p3, ws, kk, 3, acc0, acc1, acc2, a_l, BB, NKB, G
             )
             j += 1
         # the row block's y: the modes joined, stored
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
         _store_modes(
-            acc0, acc1, acc2, y_ptr, b_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
-            stride_yb, HAS_BIAS, BB, BO, num_warps,
+            acc0, acc1, acc2, y_ptr, y_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
+            stride_yb, False, BB, BO, num_warps,
         )  # fmt: skip
 
 
@@ -382,6 +391,11 @@ def _eqlin_fwd_tc_kernel(
     pc = gl.arange(0, G, layout=gl.SliceLayout(0, pl))[None, :]
     for j in gl.static_range(3):
         ps.index(j).store(gl.load(p_ptr + j * BX * G + pn * G + pc))
+    # the bias of this program's outputs
+    bs = gl.allocate_shared_memory(dt, [BO], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if HAS_BIAS:
+        bo = o0 + gl.arange(0, BO, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        bs.store(gl.load(b_ptr + bo, mask=bo < O, other=0.0))
     fence_async_shared()
     mbarrier.wait(wbar.index(0), 0)
     gl.thread_barrier()
@@ -394,13 +408,13 @@ def _eqlin_fwd_tc_kernel(
             [
                 (
                     _consume,
-                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
                      pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
                      num_warps),
                 ),
                 (
                     _consume,
-                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
                      pid_r, nprog_r, n_mine, 1, C, HAS_BIAS, BO, NKB, STAGES, G,
                      num_warps),
                 ),
@@ -415,7 +429,7 @@ def _eqlin_fwd_tc_kernel(
             [
                 (
                     _consume,
-                    (xs, ws, ps, ready, empty, y_ptr, b_ptr, B, O, stride_yb, o0,
+                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
                      pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
                      num_warps),
                 ),
