@@ -61,11 +61,11 @@ runs at about this kernel's speed (chapter 2, not in the library). bf16 at n_ang
 and O multiples of 64, K <= 256) runs the Gluon kernel of :mod:`ecekern.linear_tc`
 instead, in which a ``wgmma`` against 0/1 matrices splits the modes and its accumulator
 feeds the per-mode ``wgmma`` from registers, a loader warp and two consumer
-warpgroups per program: 60.0 against 116.9 us for the best Triton launch (launch sweep
-at cdf5057 and e8c40dd), 0.121 against 0.130 ms for the dense GEMM cos and sin at 47k
-(0b5fd6b), even at 365k (802 against 813 us, median of seven alternating rounds,
-history session12_ab_dense.csv). Its TF32 version took 159.8 us against 144.0 for the
-Triton kernel, so TF32 keeps the Triton kernel (``TF32_TRITON``).
+warpgroups per program: 58.9 against 115.0 us for the best Triton launch (launch sweep
+at 054b254), 0.114 against 0.129 ms for the dense GEMM cos and sin at 47k, 784 against
+828 us at 365k (medians of seven alternating rounds, history session12_ab_dense.csv).
+Its TF32 version took 157.1 us against 144.5 for the Triton kernel, so TF32 keeps the
+Triton kernel (``TF32_TRITON``).
 Strict fp32 at n_ang = 3 runs the Gluon kernel of :mod:`ecekern.linear_fma` instead (the
 Triton kernel's shared-memory loads were 77 % bank conflicts): 324 against 874 us
 (3f0d85e), faster than the einsum (0.64 against 0.98 ms cos and sin at 47k). The input
@@ -894,11 +894,11 @@ FP32_TRITON = Config(64, 32, 64, 4, 2, SPLIT)
 #: ``wgmma`` against 0/1 matrices, W kept in shared memory) where it serves the call
 #: (n_ang = 3, K and O multiples of 64, K <= 256, contiguous x and w), else the
 #: Triton kernel at this launch (prefetch, W by descriptor; chapter 2's launch
-#: sweep). 60 against 117 us (E = 47k, one of cos/sin; launch sweep at cdf5057).
+#: sweep). 59 against 115 us (E = 47k, one of cos/sin; launch sweep at 054b254).
 BF16_TC = Config(64, 32, 64, 4, 2, SPLIT, False, True, False, True, tc=True)
 #: TF32: the Triton kernel at its fastest launch of chapter 2's launch sweep (prefetch,
 #: one joined store, W by descriptor). linear_tc's TF32 version (``tc=True``) is
-#: slower: 160 against 144 us (E = 47k, one of cos/sin; history session12_ws_a_*).
+#: slower: 157 against 145 us (E = 47k, one of cos/sin; launch sweep at 054b254).
 TF32_TRITON = Config(64, 32, 64, 4, 2, SPLIT, False, True, True, True, True)
 
 

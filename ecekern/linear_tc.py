@@ -43,9 +43,9 @@ bytes through shared memory in bf16), so the m = 0 accumulator starts at the bia
 Measured on the H200 (chapter 2, history ``session10_pm_*``, ``session11_tc_*`` and
 ``session12_*``; E = 47k, F = 192, one of cos and sin): bf16 59 us with two
 consumers (65 with session 11's single warpgroup that loaded its own ring) against
-118 for the Triton kernel of :mod:`ecekern.linear` and 56 for cuBLAS's dense GEMM
-alone; TF32 156 us against 144 for the Triton kernel, which the library therefore
-keeps in TF32 (``linear.TF32_TRITON``).
+115 for the Triton kernel of :mod:`ecekern.linear` (launch sweep at 054b254) and 56
+for cuBLAS's dense GEMM alone (session 11's run C); TF32 157 us against 145 for the
+Triton kernel, which the library therefore keeps in TF32 (``linear.TF32_TRITON``).
 
 Scope: bf16 and fp32, n_ang = 3, O a multiple of 64, K a multiple of 4 G with
 K <= ``MAX_K`` (W's slice and the ring share the shared memory), contiguous x and w
