@@ -195,6 +195,25 @@ def test_linear_tiles_put_a_warp_on_the_features_not_the_rows():
         assert r["threads_per_warp"][1 - rows] == 32, r
 
 
+def test_linear_tc_builds_fit_the_h200_and_bf16_does_not_spill():
+    """linear_tc's forward at the library's launch, compiled for sm_90 with a bias:
+    every build fits the 227 KB of shared memory a program may have, and the bf16
+    builds (the ones the library dispatches) keep every value in registers. (Adding
+    the bias in the accumulators' layout from global memory once spilled 108
+    instructions; two rings of two stages at K = 256 spilled 38: the launch table
+    gives that K one consumer.)"""
+    rows = _offline_sm90("--linear-tc")
+    assert {(r["dtype"], r["K"]) for r in rows} == {
+        ("bf16", 64), ("bf16", 192), ("bf16", 256), ("fp32", 192)
+    }  # fmt: skip
+    for r in rows:
+        assert 0 < r["shared_bytes"] <= 227 * 1024, r
+        if r["dtype"] == "bf16":
+            assert r["spill"] == 0 and r["stack_bytes"] == 0, r
+    by = {(r["dtype"], r["K"]): r for r in rows}
+    assert by[("bf16", 192)]["consumers"] == 2 and by[("bf16", 256)]["consumers"] == 1
+
+
 def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
     """``timeout`` sends SIGTERM: the manifest says so and the rows written so far
     are listed and archived (a device call's time limit must not lose them)."""

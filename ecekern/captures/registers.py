@@ -381,6 +381,51 @@ def linear_fp32(E: int = 47_000, F: int = 192) -> list[dict]:
     return rows
 
 
+def linear_tc(
+    cases=(("bf16", 64), ("bf16", 192), ("bf16", 256), ("fp32", 192)),
+    O: int = 192,
+) -> list[dict]:
+    """``ecekern.linear_tc``'s forward compiled for sm_90 at the library's launch
+    for each (dtype, K) of ``cases``, with a bias: consumers, stages, registers,
+    spill instructions, shared memory (the H200 gives a program 227 KB) and the
+    static instruction mix. The shared memory and the spills are what a change to
+    the kernel or its launch table most easily breaks without a GPU to notice."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .. import linear_tc
+
+    rows = []
+    for dt, K in cases:
+        tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+        gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dt]
+        bk, ln = linear_tc.BLOCK_K[tdt], linear_tc.launch(tdt, K)
+        box = gl.NVMMASharedLayout.get_default_for([64, bk], gdt)
+        desc = f"tensordesc<{dt}[64, {bk}],{box!r}>"
+        args = {"x_desc": desc, "w_desc": desc, "p_ptr": f"*{dt}", "b_ptr": f"*{dt}"}
+        args |= {"y_ptr": f"*{dt}", "B": 47_000, "O": O, "stride_yb": 3 * O}
+        args |= {"n_rb": 735}
+        const = dict(
+            HAS_BIAS=True, BO=ln.block_o, NKB=K // bk, C=ln.consumers,
+            STAGES=ln.stages, CONSUMER_REGS=ln.regs, num_warps=4,
+        )  # fmt: skip
+        kernel = linear_tc._eqlin_fwd_tc_kernel
+        sig, c, attrs = _as_jit(kernel, args, const)
+        src = GluonASTSource(fn=kernel, signature=sig, constexprs=c, attrs=attrs)
+        compiled = triton.compile(
+            src, target=GPUTarget(*H200), options={"num_warps": 4}
+        )
+        mix = _sass_mix(compiled)
+        mix.pop("shared_layouts")
+        rows.append(
+            {"dtype": dt, "K": K, "O": O, "consumers": ln.consumers}
+            | {"stages": ln.stages, "regs_cap": ln.regs}
+            | mix
+        )
+    return rows
+
+
 def main() -> int:
     if not available():
         print("needs Triton with its NVIDIA tools (Linux wheels)")
@@ -399,6 +444,9 @@ def main() -> int:
             prov["device"] = "none (offline sm_90 build)"
             bench.write_csv([r | prov for r in rows], sys.argv[2])
         print(json.dumps(rows))
+        return 0
+    if sys.argv[1:] == ["--linear-tc"]:
+        print(json.dumps(linear_tc()))
         return 0
     if sys.argv[1:] == ["--linear-layouts"]:
         print(json.dumps(linear_layouts()))
