@@ -232,14 +232,17 @@ def _products(
 
 @_jit
 def _consume(
-    xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
-    n_mine, c: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr,
+    shared, c: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr,
     BO: gl.constexpr, NKB: gl.constexpr, STAGES: gl.constexpr, G: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     """Consumer c of C (one warpgroup): the program's row blocks c, c + C, ..,
     each K step from its own ring (stages ``c STAGES ..``), which it hands back
     to the loader as soon as the step's permutations are done."""
+    xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r = shared[
+        :13
+    ]
+    n_mine = shared[13]
     BB: gl.constexpr = 64  # rows: one warpgroup, 16 a warp
     BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -401,44 +404,35 @@ def _eqlin_fwd_tc_kernel(
     gl.thread_barrier()
 
     # 2. C consumer warpgroups on alternate row blocks, a loader warp feeding them
-    # (Gluon wants each partition's argument tuple written out)
+    # (the consumers' shared values go as one tuple; constexprs cannot)
     n_mine = gl.cdiv(n_rb - pid_r, nprog_r)  # this program's row blocks
+    shared = (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
+              n_mine)  # fmt: skip
     if C == 2:
         gl.warp_specialize(
             [
+                (_consume, (shared, 0, C, HAS_BIAS, BO, NKB, STAGES, G, num_warps)),
+                (_consume, (shared, 1, C, HAS_BIAS, BO, NKB, STAGES, G, num_warps)),
                 (
-                    _consume,
-                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
-                     pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
-                     num_warps),
+                    _load,
+                    (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB, STAGES),
                 ),
-                (
-                    _consume,
-                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
-                     pid_r, nprog_r, n_mine, 1, C, HAS_BIAS, BO, NKB, STAGES, G,
-                     num_warps),
-                ),
-                (_load, (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB,
-                         STAGES)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, 24],
-        )  # fmt: skip
+        )
     else:
         gl.warp_specialize(
             [
+                (_consume, (shared, 0, C, HAS_BIAS, BO, NKB, STAGES, G, num_warps)),
                 (
-                    _consume,
-                    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0,
-                     pid_r, nprog_r, n_mine, 0, C, HAS_BIAS, BO, NKB, STAGES, G,
-                     num_warps),
+                    _load,
+                    (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB, STAGES),
                 ),
-                (_load, (x_desc, xs, ready, empty, pid_r, nprog_r, n_mine, C, NKB,
-                         STAGES)),
             ],
             [1],
             [24],
-        )  # fmt: skip
+        )
 
 
 # --------------------------------------------------------------------------------------
