@@ -35,10 +35,11 @@ three per-mode ``wgmma`` (A from registers, B W's ``[64, G]`` slice), the next
 group's permutation queued before this group's products; a stage goes back to the
 loader once its permutations are done. The K steps of a row block are unrolled, so
 the tensor pipe drains once per row block, where its three accumulators are joined
-and stored, bias on the m = 0 slot. One program per SM (its shared memory).
+and stored. One program per SM (its shared memory).
 
 The epilogue rounds each mode to y's dtype before its layout conversion (half the
-bytes through shared memory in bf16), so the m = 0 accumulator starts at the bias.
+bytes through shared memory in bf16), so the bias is not added there: the m = 0
+accumulator starts at it.
 
 Measured on the H200 (chapter 2, history ``session10_pm_*``, ``session11_tc_*`` and
 ``session12_*``; E = 47k, F = 192, one of cos and sin): bf16 59 us with two
@@ -239,10 +240,8 @@ def _consume(
     """Consumer c of C (one warpgroup): the program's row blocks c, c + C, ..,
     each K step from its own ring (stages ``c STAGES ..``), which it hands back
     to the loader as soon as the step's permutations are done."""
-    xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r = shared[
-        :13
-    ]
-    n_mine = shared[13]
+    (xs, ws, ps, bs, ready, empty, y_ptr, B, O, stride_yb, o0, pid_r, nprog_r,
+     n_mine) = shared  # fmt: skip
     BB: gl.constexpr = 64  # rows: one warpgroup, 16 a warp
     BX: gl.constexpr = 4 * G  # inputs per K step; columns of one box of x or W
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -298,7 +297,7 @@ def _consume(
             j += 1
         # the row block's y: the modes joined, stored
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
-        _store_modes(
+        _store_modes(  # the bias is in acc0: no b_ptr (y_ptr stands in)
             acc0, acc1, acc2, y_ptr, y_ptr, (pid_r + i * nprog_r) * BB, o0, B, O,
             stride_yb, False, BB, BO, num_warps,
         )  # fmt: skip
