@@ -52,7 +52,7 @@ stages) followed, then JOIN (the interleaved tile built by ``tl.join``); chapter
 launch sweep at c2b3968 chose 118 us (bf16, PREFETCH and W_DESC), 144 us (TF32, all
 four) and 874 us (strict fp32, none). Cos and sin together the path beats the einsum
 in every tensor-core cell of the sweep and loses to the dense GEMM in every one but bf16
-at n_ang = 3 and 47k (TF32, n_ang = 3: 0.284 against 0.238 ms at 47k; the dense rows
+at n_ang = 3 (TF32, n_ang = 3: 0.284 against 0.238 ms at 47k; the dense rows
 re-taken at 51554fe: the older ones, from before the dense weight stopped being copied,
 had put this path 11 % ahead). Nsight Compute: low occupancy and warps waiting on loads;
 Gluon prototypes that keep W in shared memory, and a Triton one that loads x by TMA,
