@@ -1299,8 +1299,14 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: strict fp32 at n_ang = 3, on the Gluon FMA kernel (8bd266f: 203.1 against 228.1 ms
 #: for the einsum at 4096 atoms, 33.7 against 34.7 at 512; forward 0.645 against
 #: 0.973 ms). In TF32 both its forward (0.284 against 0.238 ms) and its force step
-#: (170.3 against 166.2 ms at 4096 atoms) lose to the dense GEMM. Not measured, so
-#: left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device but CUDA.
+#: (170.3 against 166.2 ms at 4096 atoms) lose to the dense GEMM. In bf16 at
+#: n_ang = 3 the Triton path (``linear_tc``) is faster for the forward alone and for
+#: the forward with every gradient, but a force step's pattern, the forward and x's
+#: gradient, is 6 % slower at 47k and even at 365k (GPU time, history
+#: ``session13_bf16_fwd_bwd_ff5d317.csv``): ``auto`` keeps the dense GEMM there, and
+#: ``path="triton"`` is the faster choice for bf16 inference or training. Not
+#: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any
+#: device but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
 #: (dtype, n_ang) where ``auto`` takes the Triton path on CUDA (when Triton has
 #: Gluon: without it the strict-fp32 forward is the slower Triton kernel).
