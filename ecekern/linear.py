@@ -1195,6 +1195,11 @@ def _engine_uses(node) -> bool:
         return True
 
 
+def _bias_grad(g_cos: torch.Tensor) -> torch.Tensor:
+    """The bias's gradient, ``(O,)``: g_cos's m = 0 slots summed over the rows."""
+    return g_cos[:, :, 0].sum(0)
+
+
 class _EquivariantLinearFn(torch.autograd.Function):
     """Forward and first derivatives by the kernels; the backward is itself built from
     this Function (dx) and an einsum (dW), so it is differentiable again."""
@@ -1204,6 +1209,7 @@ class _EquivariantLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_cos, x_sin, weight)
         ctx.has_bias = bias is not None
         ctx.w_node = _grad_node(weight)
+        ctx.b_node = _grad_node(bias) if bias is not None else None
         return eqlin_fwd(x_cos, weight, bias), eqlin_fwd(x_sin, weight, None)
 
     @staticmethod
@@ -1213,6 +1219,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
         # a force step asks autograd for d(energy)/d(positions) only: the weight
         # gradient, the costliest kernel of the backward, is then not computed
         want_w = ctx.needs_input_grad[2] and _engine_uses(ctx.w_node)
+        # and the bias's, a strided pass over all of g_cos: skipped the same way
+        want_b = ctx.has_bias and ctx.needs_input_grad[3] and _engine_uses(ctx.b_node)
         w_t = weight.transpose(1, 2)  # (n_ang, K, O): the same kernel, strides swapped
         if torch.is_grad_enabled():  # double backward: stay differentiable
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
@@ -1233,8 +1241,8 @@ class _EquivariantLinearFn(torch.autograd.Function):
                 dx_sin = eqlin_fwd(g_sin, w_t, None)
             if want_w:
                 dw = eqlin_bwd_w(g_cos, g_sin, x_cos, x_sin)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = g_cos[:, :, 0].sum(0)
+        if want_b:
+            db = _bias_grad(g_cos)
         return dx_cos, dx_sin, dw, db
 
 

@@ -135,6 +135,31 @@ def test_weight_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
     assert rel_err(dw, dw_ref) < 1e-12
 
 
+@pytest.mark.parametrize("leaf", [True, False], ids=["parameter", "derived-bias"])
+def test_bias_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
+    """The bias's gradient reads g_cos over every row (a strided pass over all of
+    it): like the weight's, it is not computed when the backward asks for x only,
+    and is exact when asked for."""
+    calls = []
+    real = linear._bias_grad
+    monkeypatch.setattr(linear, "_bias_grad", lambda g: calls.append(1) or real(g))
+    xc, xs, w, b0 = _args(23, 17, 19, 3)
+
+    def energy(path="triton"):
+        b = b0 if leaf else b0 * 1.0  # a bias built from a parameter: not a leaf
+        y = linear.equivariant_linear(xc, xs, w, b, path)
+        return (y[0] ** 2).sum() + (y[1] ** 2).sum()
+
+    (dx,) = torch.autograd.grad(energy(), [xc])
+    assert calls == [] and dx is not None
+    dx2, db = torch.autograd.grad(energy(), [xc, b0])
+    assert calls == [1] and torch.equal(dx, dx2)
+    energy().backward()
+    assert calls == [1, 1] and torch.equal(b0.grad, db)
+    (db_ref,) = torch.autograd.grad(energy("einsum"), [b0])
+    assert rel_err(db, db_ref) < 1e-12
+
+
 @pytest.mark.parametrize("n_ang", [1, 3, 5])
 def test_weight_gradient_by_gemm_is_the_block_diagonal(n_ang):
     """On CUDA (every dtype but fp64) the weight gradient is one GEMM per cos and
