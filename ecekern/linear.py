@@ -74,10 +74,12 @@ serve), and from a contiguous copy in TF32, where the in-place read cost 58 %
 (2026-11-30, one-run A/B), and for linear_tc, which takes W^T contiguous; that copy, and
 the strict-fp32 forward's W with O contiguous, are one W^T kept per weight until it
 changes (``_w_t_copy``). The weight gradient is one GEMM per cos and sin on CUDA outside
-fp64 (``_bwd_w_gemm``), the Triton reduction elsewhere, and is not computed when the
-backward pass will not use it (forces).
+fp64 (``_bwd_w_gemm``), the Triton reduction elsewhere; it and the bias's gradient are
+not computed when the backward pass will not use them (forces).
 ``path="auto"`` picks the path in strict fp32 at n_ang = 3, where its force step is
-the fastest; with TF32 the dense GEMM's force step is (``ecekern.linear.auto_path``).
+the fastest, and in bf16 at n_ang = 3 where linear_tc serves the call (forward, force
+pattern and training all faster in GPU time); with TF32 the dense GEMM's force step
+is (``ecekern.linear.auto_path``).
 """
 
 from __future__ import annotations
@@ -1274,6 +1276,19 @@ def _dense(x_cos, x_sin, weight, bias):
     return y_cos.reshape(*lead, O, n_ang), y_sin.reshape(*lead, O, n_ang)
 
 
+def _tc_serves(x_cos, x_sin, weight) -> bool:
+    """Whether :mod:`ecekern.linear_tc` will serve both forwards of this call:
+    x_cos, x_sin and W of one dtype and device, contiguous, 16-byte aligned (its
+    shape is ``auto_path``'s to check)."""
+    return all(
+        t.dtype == weight.dtype
+        and t.device == weight.device
+        and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
+        for t in (x_cos, x_sin, weight)
+    )
+
+
 def _triton_reason(x_cos, weight) -> str | None:
     """Why the Triton path cannot serve this call, or None."""
     if not getattr(triton, "AVAILABLE", True):
@@ -1308,25 +1323,46 @@ def _triton_reason(x_cos, weight) -> str | None:
 #: for the einsum at 4096 atoms, 33.7 against 34.7 at 512; forward 0.645 against
 #: 0.973 ms). In TF32 both its forward (0.284 against 0.238 ms) and its force step
 #: (170.3 against 166.2 ms at 4096 atoms) lose to the dense GEMM. In bf16 at
-#: n_ang = 3 the Triton path (``linear_tc``) is faster for the forward alone and for
-#: the forward with every gradient, but a force step's pattern, the forward and x's
-#: gradient, is 6 % slower at 47k and even at 365k (GPU time, history
-#: ``session13_bf16_fwd_bwd_ff5d317.csv``): ``auto`` keeps the dense GEMM there, and
-#: ``path="triton"`` is the faster choice for bf16 inference or training. Not
-#: measured, so left on the einsum: n_ang > 5 on tensor cores, fp16, fp64, any
-#: device but CUDA.
+#: n_ang = 3 the Triton path takes ``linear_tc`` where it serves the call's shape
+#: (``AUTO_TRITON_TC``): in GPU time its forward, a force step's pattern (the forward
+#: and x's gradient) and training's (every gradient) were all faster than the dense
+#: GEMM's in every round at 47k and 365k (history
+#: ``session13_bf16_fwd_bwd_1557acd.csv``: 0.226 against 0.238 ms for the force
+#: pattern at 47k, 1.599 against 1.659 at 365k, medians). Not measured, so left on
+#: the einsum: n_ang > 5 on tensor cores, fp16, fp64, any device but CUDA.
 AUTO_DENSE = {torch.bfloat16: 5, "tf32": 5}
 #: (dtype, n_ang) where ``auto`` takes the Triton path on CUDA (when Triton has
 #: Gluon: without it the strict-fp32 forward is the slower Triton kernel).
 AUTO_TRITON = {(torch.float32, 3)}
+#: (dtype, n_ang) where ``auto`` takes the Triton path on CUDA when
+#: :mod:`ecekern.linear_tc` serves the call (its shape, and contiguous, aligned x and
+#: W: ``_tc_serves``); where it does not, the Triton kernel would be slower than the
+#: dense GEMM, and ``auto`` keeps the dense GEMM.
+AUTO_TRITON_TC = {(torch.bfloat16, 3)}
 
 
-def auto_path(device_type: str, dtype: torch.dtype, n_ang: int, tf32: bool) -> str:
+def auto_path(
+    device_type: str,
+    dtype: torch.dtype,
+    n_ang: int,
+    tf32: bool,
+    K: int | None = None,
+    O: int | None = None,
+) -> str:
     """The path ``"auto"`` takes for a call: ``"dense"``, ``"triton"`` or
-    ``"einsum"``."""
+    ``"einsum"``. ``K`` and ``O`` (in and out features) decide where the Triton
+    path depends on ``linear_tc`` serving the shape; without them it is not
+    taken there."""
     if device_type != "cuda":
         return "einsum"
     if not tf32 and (dtype, n_ang) in AUTO_TRITON and linear_fma.gluon is not None:
+        return "triton"
+    if (
+        (dtype, n_ang) in AUTO_TRITON_TC
+        and K is not None
+        and O is not None
+        and linear_tc.shape_reason(dtype, n_ang, K, O, device_type) is None
+    ):
         return "triton"
     key = "tf32" if dtype == torch.float32 and tf32 else dtype
     return "dense" if n_ang <= AUTO_DENSE.get(key, 0) else "einsum"
@@ -1352,7 +1388,11 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
         raise ValueError(f"path must be one of {options.LINEAR_PATHS}, got {path!r}")
     if path == "auto":
         tf32 = torch.backends.cuda.matmul.allow_tf32
-        path = auto_path(x_cos.device.type, x_cos.dtype, weight.shape[0], tf32)
+        n_ang, O, K = weight.shape
+        path = auto_path(x_cos.device.type, x_cos.dtype, n_ang, tf32, K, O)
+        if path == "triton" and (x_cos.dtype, n_ang) in AUTO_TRITON_TC:
+            if not _tc_serves(x_cos, x_sin, weight):
+                path = "dense"  # the Triton kernel would be slower than the GEMM
     if path == "einsum":
         return reference.equivariant_linear(x_cos, x_sin, weight, bias)
     # the reference's checks: shapes, dtypes, devices

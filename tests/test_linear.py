@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import ecekern
-from ecekern import linear, linear_fma, options, reference
+from ecekern import linear, linear_fma, linear_tc, options, reference
 from ecekern.testing import assert_close_three_way, rel_err
 
 G = lambda s: torch.Generator().manual_seed(s)
@@ -317,7 +317,8 @@ def test_dispatch_follows_the_options_and_the_override(monkeypatch):
 def test_auto_dispatch_table():
     """``auto``: dense where the H200 sweep measured it faster (tensor-core GEMMs up
     to n_ang = 5), the Triton path in strict fp32 at n_ang = 3 (its force step is the
-    fastest), the einsum everywhere else."""
+    fastest) and in bf16 at n_ang = 3 where linear_tc serves the shape (its forward,
+    force pattern and training were all faster), the einsum everywhere else."""
     f32, bf16 = torch.float32, torch.bfloat16
     assert linear.auto_path("cuda", f32, 3, tf32=True) == "dense"
     assert linear.auto_path("cuda", bf16, 4, tf32=False) == "dense"
@@ -332,6 +333,29 @@ def test_auto_dispatch_table():
     assert linear.auto_path("cuda", torch.float16, 3, tf32=False) == "einsum"
     assert linear.auto_path("cuda", torch.float64, 3, tf32=True) == "einsum"
     assert linear.auto_path("cpu", bf16, 3, tf32=True) == "einsum"
+    # bf16 at n_ang = 3: the Triton path only where linear_tc serves the shape
+    tc = "triton" if linear_tc.gluon is not None else "dense"
+    assert linear.auto_path("cuda", bf16, 3, tf32=False, K=192, O=192) == tc
+    assert linear.auto_path("cuda", bf16, 3, tf32=True, K=128, O=256) == tc
+    assert linear.auto_path("cuda", bf16, 3, tf32=False) == "dense"  # shape unknown
+    assert linear.auto_path("cuda", bf16, 3, tf32=False, K=96, O=192) == "dense"
+    assert linear.auto_path("cuda", bf16, 3, tf32=False, K=320, O=192) == "dense"
+    assert linear.auto_path("cuda", bf16, 4, tf32=False, K=192, O=192) == "dense"
+    assert linear.auto_path("cuda", f32, 3, tf32=True, K=192, O=192) == "dense"
+    assert linear.auto_path("cpu", bf16, 3, tf32=False, K=192, O=192) == "einsum"
+
+
+def test_auto_takes_linear_tc_only_where_it_serves_the_call():
+    """In bf16 ``auto`` takes the Triton path only for inputs linear_tc will take
+    (contiguous, 16-byte aligned, one dtype): elsewhere the Triton kernel would run,
+    slower than the dense GEMM."""
+    xc, xs, w, _ = (t.detach() for t in _args(8, 64, 64, 3, torch.bfloat16))
+    assert linear._tc_serves(xc, xs, w)
+    m_major = xc.transpose(1, 2).contiguous().transpose(1, 2)  # same values
+    assert not linear._tc_serves(m_major, xs, w)
+    flat = torch.empty(xc.numel() + 1, dtype=xc.dtype)[1:].view(xc.shape)  # 2 B off
+    assert not linear._tc_serves(flat, xs, w)
+    assert not linear._tc_serves(xc, xs, w.float())
 
 
 @pytest.mark.parametrize("bias", [True, False])

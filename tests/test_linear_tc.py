@@ -281,3 +281,32 @@ def test_launcher_grid_descriptors_and_device_state(monkeypatch):
     assert made == [0, 0]  # the state is made once per device and dtype
     assert linear_tc.tc_fwd(*_xw(0, 64, 64)[:2], None).shape == (0, 64, 3)
     assert len(launches) == 5  # no rows, no launch
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Gluon)")
+def test_auto_runs_linear_tc_in_bf16_where_it_serves(monkeypatch):
+    """``auto`` in bf16 at n_ang = 3: linear_tc for contiguous inputs of a shape it
+    serves, forward and input backward, with the dense path's result within bf16
+    rounding; the dense GEMM for m-major inputs (no kernel call)."""
+    calls = []
+    real = linear_tc.tc_fwd
+    monkeypatch.setattr(linear_tc, "tc_fwd", lambda *a: calls.append(1) or real(*a))
+    xc, w, b = linear_args(300, 64, 128, 3, torch.bfloat16, "cuda", 3)
+    xs = linear_args(300, 64, 128, 3, torch.bfloat16, "cuda", 4)[0]
+    xc.requires_grad_()
+    gy = [torch.randn(300, 128, 3, device="cuda") for _ in range(2)]
+
+    def loss(y):
+        return (y[0].float() * gy[0]).sum() + (y[1].float() * gy[1]).sum()
+
+    y = linear.equivariant_linear(xc, xs, w, b, "auto")
+    assert len(calls) == 2  # cos and sin
+    (dx,) = torch.autograd.grad(loss(y), [xc])
+    assert len(calls) == 3  # x_cos's gradient; x_sin asks for none
+    want = linear.equivariant_linear(xc, xs, w, b, "dense")
+    (dx_want,) = torch.autograd.grad(loss(want), [xc])
+    for a, r in zip((*y, dx), (*want, dx_want), strict=True):
+        assert rel_err(a.float(), r.float()) < 1e-2
+    m_major = xs.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    linear.equivariant_linear(xc.detach(), m_major, w, b, "auto")
+    assert len(calls) == 3
