@@ -6,7 +6,7 @@ run in Triton's CPU interpreter)."""
 import pytest
 import torch
 
-from ecekern import linear, linear_tc, reference
+from ecekern import linear, linear_tc, options, reference
 from ecekern.testing import linear_args, rel_err
 
 CUDA = torch.cuda.is_available() and not linear.INTERPRET
@@ -299,7 +299,8 @@ def test_auto_runs_linear_tc_in_bf16_where_it_serves(monkeypatch):
     def loss(y):
         return (y[0].float() * gy[0]).sum() + (y[1].float() * gy[1]).sum()
 
-    y = linear.equivariant_linear(xc, xs, w, b, "auto")
+    with options.use(linear="auto"):  # the process-wide default is the reference
+        y = linear.equivariant_linear(xc, xs, w, b)
     assert len(calls) == 2  # cos and sin
     (dx,) = torch.autograd.grad(loss(y), [xc])
     assert len(calls) == 3  # x_cos's gradient; x_sin asks for none
@@ -308,5 +309,6 @@ def test_auto_runs_linear_tc_in_bf16_where_it_serves(monkeypatch):
     for a, r in zip((*y, dx), (*want, dx_want), strict=True):
         assert rel_err(a.float(), r.float()) < 1e-2
     m_major = xs.detach().transpose(1, 2).contiguous().transpose(1, 2)
-    linear.equivariant_linear(xc.detach(), m_major, w, b, "auto")
+    with options.use(linear="auto"):
+        linear.equivariant_linear(xc.detach(), m_major, w, b)
     assert len(calls) == 3
