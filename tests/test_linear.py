@@ -109,55 +109,37 @@ def test_frozen_weights_compute_only_input_gradients():
     assert xc.grad is not None and xs.grad is not None
 
 
-@pytest.mark.parametrize("leaf", [True, False], ids=["parameter", "derived-weight"])
-def test_weight_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
-    """Forces are ``torch.autograd.grad(energy, positions)``: the weights require
-    grad but nobody asks for theirs, and the weight-gradient kernel must not run;
-    ``.backward()`` and a ``grad`` that names the weights still get it, exactly."""
+@pytest.mark.parametrize("leaf", [True, False], ids=["parameter", "derived"])
+@pytest.mark.parametrize(
+    "which, kernel", [(2, "eqlin_bwd_w"), (3, "_bias_grad")], ids=["weight", "bias"]
+)
+def test_parameter_gradient_only_when_the_backward_asks_for_it(
+    which, kernel, leaf, monkeypatch
+):
+    """Forces are ``torch.autograd.grad(energy, positions)``: the weight and the bias
+    require grad but nobody asks for theirs, and neither the weight-gradient kernel
+    nor the bias's sum (a strided pass over all of g_cos) may run; ``.backward()``
+    and a ``grad`` that names the parameter still get it, exactly."""
     calls = []
-    real = linear.eqlin_bwd_w
-    monkeypatch.setattr(linear, "eqlin_bwd_w", lambda *a: calls.append(1) or real(*a))
-    xc, xs, w0, b = _args(23, 17, 19, 3)
-
-    def energy():
-        w = w0 if leaf else w0 * 1.0  # a weight built from a parameter: not a leaf
-        y = linear.equivariant_linear(xc, xs, w, b, "triton")
-        return (y[0] ** 2).sum() + (y[1] ** 2).sum()
-
-    (dx,) = torch.autograd.grad(energy(), [xc])
-    assert calls == [] and dx is not None
-    dx2, dw = torch.autograd.grad(energy(), [xc, w0])
-    assert calls == [1] and torch.equal(dx, dx2)
-    energy().backward()
-    assert calls == [1, 1] and torch.equal(w0.grad, dw)
-    y = reference.equivariant_linear(xc, xs, w0 if leaf else w0 * 1.0, b)
-    (dw_ref,) = torch.autograd.grad((y[0] ** 2).sum() + (y[1] ** 2).sum(), [w0])
-    assert rel_err(dw, dw_ref) < 1e-12
-
-
-@pytest.mark.parametrize("leaf", [True, False], ids=["parameter", "derived-bias"])
-def test_bias_gradient_only_when_the_backward_asks_for_it(leaf, monkeypatch):
-    """The bias's gradient reads g_cos over every row (a strided pass over all of
-    it): like the weight's, it is not computed when the backward asks for x only,
-    and is exact when asked for."""
-    calls = []
-    real = linear._bias_grad
-    monkeypatch.setattr(linear, "_bias_grad", lambda g: calls.append(1) or real(g))
-    xc, xs, w, b0 = _args(23, 17, 19, 3)
+    real = getattr(linear, kernel)
+    monkeypatch.setattr(linear, kernel, lambda *a: calls.append(1) or real(*a))
+    args = _args(23, 17, 19, 3)
+    p0 = args[which]
 
     def energy(path="triton"):
-        b = b0 if leaf else b0 * 1.0  # a bias built from a parameter: not a leaf
-        y = linear.equivariant_linear(xc, xs, w, b, path)
+        a = list(args)
+        a[which] = p0 if leaf else p0 * 1.0  # built from a parameter: not a leaf
+        y = linear.equivariant_linear(*a, path)
         return (y[0] ** 2).sum() + (y[1] ** 2).sum()
 
-    (dx,) = torch.autograd.grad(energy(), [xc])
+    (dx,) = torch.autograd.grad(energy(), [args[0]])
     assert calls == [] and dx is not None
-    dx2, db = torch.autograd.grad(energy(), [xc, b0])
+    dx2, dp = torch.autograd.grad(energy(), [args[0], p0])
     assert calls == [1] and torch.equal(dx, dx2)
     energy().backward()
-    assert calls == [1, 1] and torch.equal(b0.grad, db)
-    (db_ref,) = torch.autograd.grad(energy("einsum"), [b0])
-    assert rel_err(db, db_ref) < 1e-12
+    assert calls == [1, 1] and torch.equal(p0.grad, dp)
+    (dp_ref,) = torch.autograd.grad(energy("einsum"), [p0])
+    assert rel_err(dp, dp_ref) < 1e-12
 
 
 @pytest.mark.parametrize("n_ang", [1, 3, 5])
