@@ -1277,16 +1277,9 @@ def _dense(x_cos, x_sin, weight, bias):
 
 
 def _tc_serves(x_cos, x_sin, weight) -> bool:
-    """Whether :mod:`ecekern.linear_tc` will serve both forwards of this call:
-    x_cos, x_sin and W of one dtype and device, contiguous, 16-byte aligned (its
-    shape is ``auto_path``'s to check)."""
-    return all(
-        t.dtype == weight.dtype
-        and t.device == weight.device
-        and t.is_contiguous()
-        and t.data_ptr() % 16 == 0
-        for t in (x_cos, x_sin, weight)
-    )
+    """Whether :mod:`ecekern.linear_tc` will take both forwards' operands as they
+    lie (``linear_tc.operand_reason``; the shape is ``auto_path``'s to check)."""
+    return all(linear_tc.operand_reason(x, weight) is None for x in (x_cos, x_sin))
 
 
 def _triton_reason(x_cos, weight) -> str | None:

@@ -79,7 +79,13 @@ except ImportError:  # Triton without Gluon (< 3.5) or no Triton: never launched
 
 from .linear_fma import _store_modes  # noqa: E402  (y's epilogue, shared)
 
-__all__ = ["mode_split_matrices", "shape_reason", "tc_fwd", "tc_reason"]
+__all__ = [
+    "mode_split_matrices",
+    "operand_reason",
+    "shape_reason",
+    "tc_fwd",
+    "tc_reason",
+]
 
 
 def group_size(dtype: torch.dtype) -> int:
@@ -479,8 +485,12 @@ def tc_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Why :func:`tc_fwd` cannot serve ``x (B, K, n_ang)``, ``w (n_ang, O, K)``, or
     None when it can."""
     reason = shape_reason(x.dtype, x.shape[2], x.shape[1], w.shape[1], x.device.type)
-    if reason is not None:
-        return reason
+    return reason if reason is not None else operand_reason(x, w)
+
+
+def operand_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the kernel cannot take x and w as they lie (dtype, device, layout,
+    alignment), whatever their shapes, or None when it can."""
     if w.dtype != x.dtype or w.device != x.device:
         return "w's dtype or device is not x's"
     if not x.is_contiguous() or not w.is_contiguous():
