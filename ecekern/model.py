@@ -239,7 +239,8 @@ class ECEModel(nn.Module):
             r = edge_vectors(positions, graph)
             d = torch.linalg.vector_norm(r, dim=-1)
             rbf = reference.radial_basis(d, cfg.n_rbf, cfg.cutoff)
-            radial = self.radial(rbf) * reference.envelope(d, cfg.cutoff)[:, None]
+            env = reference.envelope(d, cfg.cutoff)  # (E,), u(d_e)
+            radial = self.radial(rbf) * env[:, None]
             R0, rho = radial.split([L * C, cfg.n_interactions * cfg.F], dim=-1)
         with record_function("ece::edge_frames"):
             D = so3.edge_frames(L, r, gauge)  # (E, S, S)
@@ -271,7 +272,7 @@ class ECEModel(nn.Module):
             with record_function("ece::pack_and_unrotate"):
                 msg = reference.pack_and_unrotate(y_cos, y_sin, D, M)
             with record_function("ece::aggregate"):
-                delta = reference.aggregate(msg, graph.dst, N, k)
+                delta = reference.aggregate(msg, graph.dst, N, k, env)
             with record_function("ece::node_update"):
                 h = reference.node_update(h, delta, layer.node_weight)
         with record_function("ece::readout"):

@@ -19,7 +19,7 @@ Stages, in the order one energy evaluation runs them:
 * ``gate``: SiLU on the m = 0 cos slot, m >= 1 slots times sigmoid of it;
 * ``mixing_stack``: ``u_k = u_{k-1} + gate(Linear_k(u_{k-1}))``, then ``Linear_out``;
 * ``pack_and_unrotate``: ``(E, C'(L+1), n_ang) x 2 -> msg (E, S, C')`` via ``D_e^T``;
-* ``aggregate``: ``Delta[n] = k sum_{e: dst_e = n} msg[e]``;
+* ``aggregate``: ``Delta[n] = k sum_{e: dst_e = n} u(d_e) msg[e]``, u the envelope;
 * ``node_update``: ``h + Delta_l @ W_l`` per degree l, shared over m.
 """
 
@@ -361,9 +361,21 @@ def pack_and_unrotate(
 
 
 def aggregate(
-    msg: torch.Tensor, dst: torch.Tensor, n_nodes: int, scale: float
+    msg: torch.Tensor,
+    dst: torch.Tensor,
+    n_nodes: int,
+    scale: float,
+    edge_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Delta[n] = scale * sum_{e: dst_e = n} msg[e]``, ``(E, S, C) -> (N, S, C)``."""
+    """``Delta[n] = scale * sum_{e: dst_e = n} w_e msg[e]``, ``(E, S, C) -> (N, S, C)``.
+
+    ``edge_weight (E,)`` is the envelope ``u(d_e)`` in the model (DESIGN 4e): the
+    mixing stack's biases and gates leave a message that does not vanish at the
+    cutoff, and this weight makes it vanish with two derivatives, so the energy is
+    smooth when an edge enters or leaves the neighbour list. None means 1.
+    """
+    if edge_weight is not None:
+        msg = msg * edge_weight[:, None, None]
     out = msg.new_zeros(n_nodes, *msg.shape[1:])
     return out.index_add_(0, dst, msg * scale)
 
