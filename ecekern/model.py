@@ -10,6 +10,7 @@ by stage. Forces are ``-dE/dx`` by autograd (:func:`energy_and_forces`).
 from __future__ import annotations
 
 import math
+import numbers as _numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,10 +18,14 @@ from torch import nn
 from torch.profiler import record_function
 
 from . import options, reference, so3, zonal
-from .graph import Graph, build_graph, edge_vectors
+from .graph import MIN_DISTANCE, Graph, build_graph, edge_vectors
 from .linear import EquivariantLinear
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
+
+#: The longest cutoff an :class:`ECEConfig` accepts, in Angstrom: a local potential's
+#: (the book's model has 5 A); longer ones make every atom a neighbour of every other.
+MAX_CUTOFF = 100.0
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,17 @@ class ECEConfig:
         lmax: L, the largest degree (1..4 tested).
         mmax: M <= L, the largest azimuthal order kept in the edge frame (None: L).
         channels: C, channels per spherical component.
-        n_interactions: interaction layers.
+        n_interactions: interaction layers (>= 1: only they make the energy depend on
+            the geometry).
         n_gated: K, gated EquivariantLinear layers in each mixing stack.
-        cutoff: r_c in Angstrom.
+        cutoff: r_c in Angstrom, from ``MIN_DISTANCE`` (0.1) to
+            :data:`~ecekern.model.MAX_CUTOFF`.
         n_rbf: Bessel radial basis functions.
         radial_hidden: width of the radial MLP.
         readout_hidden: width of the per-atom energy MLP.
         avg_num_neighbors: k = 1/sqrt(avg_num_neighbors) normalises every neighbour sum
             (diamond at 5 A has about 90).
-        species: the atomic numbers the model knows, in embedding order.
+        species: the atomic numbers (1..118) the model knows, in embedding order.
         seed: the parameters are drawn from a generator seeded with this.
     """
 
@@ -64,8 +71,14 @@ class ECEConfig:
 
         for name in ("lmax", "channels", "n_rbf", "radial_hidden", "readout_hidden"):
             pos_int(name)
-        for name in ("n_interactions", "n_gated"):
-            pos_int(name, 0)
+        pos_int("n_gated", 0)
+        pos_int("n_interactions", 0)
+        if self.n_interactions == 0:
+            raise ValueError(
+                "ECEConfig.n_interactions must be >= 1, got 0: the energy is read from "
+                "the invariant features h[:, 0], which only an interaction layer makes "
+                "depend on the geometry (with none, E depends on the species alone)"
+            )
         if self.lmax > 6:
             raise ValueError(
                 f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)"
@@ -74,13 +87,48 @@ class ECEConfig:
             isinstance(self.mmax, int) and 0 <= self.mmax <= self.lmax
         ):
             raise ValueError(f"ECEConfig.mmax must be in [0, lmax], got {self.mmax!r}")
-        if not (self.cutoff > 0 and math.isfinite(self.cutoff)):
-            raise ValueError(f"ECEConfig.cutoff must be positive, got {self.cutoff!r}")
-        if not self.avg_num_neighbors > 0:
-            raise ValueError("ECEConfig.avg_num_neighbors must be positive")
-        if len(self.species) == 0 or len(set(self.species)) != len(self.species):
-            raise ValueError("ECEConfig.species must be distinct atomic numbers")
-        object.__setattr__(self, "species", tuple(int(z) for z in self.species))
+        cutoff = self.cutoff
+        if (
+            isinstance(cutoff, bool)
+            or not isinstance(cutoff, _numbers.Real)
+            or not MIN_DISTANCE <= cutoff <= MAX_CUTOFF
+        ):
+            raise ValueError(
+                f"ECEConfig.cutoff must be a number of Angstrom from {MIN_DISTANCE} to "
+                f"{MAX_CUTOFF:g} (a local potential; the book's model has 5), got "
+                f"{cutoff!r}"
+            )
+        object.__setattr__(self, "cutoff", float(cutoff))
+        k = self.avg_num_neighbors
+        if isinstance(k, bool) or not (
+            isinstance(k, _numbers.Real) and 0 < k < math.inf
+        ):
+            raise ValueError(
+                f"ECEConfig.avg_num_neighbors must be a positive finite number, got "
+                f"{k!r}"
+            )
+        try:
+            species = tuple(self.species)
+        except TypeError:
+            raise TypeError(
+                f"ECEConfig.species must be a sequence of atomic numbers, got "
+                f"{self.species!r}"
+            ) from None
+        if (
+            len(species) == 0
+            or len(set(species)) != len(species)
+            or not all(
+                isinstance(z, _numbers.Integral)
+                and not isinstance(z, bool)
+                and 1 <= z <= 118
+                for z in species
+            )
+        ):
+            raise ValueError(
+                "ECEConfig.species must be distinct atomic numbers from 1 to 118, got "
+                f"{self.species!r}"
+            )
+        object.__setattr__(self, "species", tuple(int(z) for z in species))
 
     @property
     def M(self) -> int:
@@ -163,16 +211,28 @@ class ECEModel(nn.Module):
     # ----------------------------------------------------------------------------------
     def species_index(self, numbers: torch.Tensor) -> torch.Tensor:
         """Atomic numbers ``(N,)`` to embedding rows; unknown elements are an error."""
+        if not isinstance(numbers, torch.Tensor):
+            raise TypeError(
+                f"numbers must be a torch.Tensor of atomic numbers, got "
+                f"{type(numbers).__name__}"
+            )
         if numbers.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"numbers must be an integer tensor, got {numbers.dtype}")
+            raise TypeError(
+                f"numbers must be an integer tensor (torch.long), got {numbers.dtype}"
+            )
         table = self._species_index
         known = (numbers >= 0) & (numbers < table.shape[0])
         idx = table[numbers.clamp(0, table.shape[0] - 1).long()]
         if not bool((known & (idx >= 0)).all()):
             bad = sorted(set(numbers[~(known & (idx >= 0))].tolist()))
+            hint = (
+                "atomic numbers run from 1 to 118"
+                if any(not 1 <= z <= 118 for z in bad)
+                else "a model for them needs ECEConfig(species=...) including them"
+            )
             raise ValueError(
                 f"atomic numbers {bad} are not among the model's species "
-                f"{self.config.species}"
+                f"{self.config.species}; {hint}"
             )
         return idx
 
@@ -195,16 +255,30 @@ class ECEModel(nn.Module):
             raise ValueError(
                 f"positions are on {positions.device}, the model on {p.device}"
             )
+        if not isinstance(numbers, torch.Tensor):
+            raise TypeError(
+                f"numbers must be a torch.Tensor of atomic numbers, got "
+                f"{type(numbers).__name__}"
+            )
         if numbers.shape != positions.shape[:1]:
             raise ValueError(
                 f"numbers must have shape ({positions.shape[0]},), "
                 f"got {tuple(numbers.shape)}"
             )
+        if numbers.device != positions.device:
+            raise ValueError(
+                f"numbers are on {numbers.device}, positions on {positions.device}"
+            )
+        if not isinstance(graph, Graph):
+            raise TypeError(
+                f"graph must be an ecekern.Graph (from build_graph), got "
+                f"{type(graph).__name__}"
+            )
         if graph.n_nodes != positions.shape[0]:
             raise ValueError(
                 f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}"
             )
-        for name in ("src", "dst", "shifts", "row_ptr"):
+        for name in ("src", "dst", "shifts", "row_ptr", "cell"):
             t = getattr(graph, name)
             if t.device != positions.device:
                 raise ValueError(
@@ -227,10 +301,6 @@ class ECEModel(nn.Module):
     ) -> torch.Tensor:
         """Per-atom energies ``(N,)``."""
         self._check(positions, numbers, graph)
-        opts = options.current()
-        for name in ("packed_d", "sync_free_unpack", "edge_cohorts"):
-            if getattr(opts, name):
-                options.fallback(f"ECEModel[{name}]", "not built in this version")
         cfg = self.config
         L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
         N = positions.shape[0]
@@ -247,7 +317,7 @@ class ECEModel(nn.Module):
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
             args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
-            if opts.fused_scatter:  # the graph's CSR is consistent by construction
+            if options.zonal_fused(Z.device.type):  # the graph's CSR is consistent
                 h_rest = zonal.zonal_scatter(*args, validate=False)
             else:
                 h_rest = reference.zonal_scatter(*args)
@@ -281,7 +351,15 @@ class ECEModel(nn.Module):
 
 
 def prepare_inputs(atoms, cutoff: float, dtype=torch.float64, device="cpu"):
-    """``(positions (N, 3), numbers (N,), graph)`` of an ``ase.Atoms`` on ``device``."""
+    """``(positions (N, 3), numbers (N,), graph)`` of an ``ase.Atoms`` on ``device``.
+
+    The graph is :func:`~ecekern.graph.build_graph`'s, with its checks (overlapping
+    atoms, degenerate cells, searches too large: a ValueError naming the fix).
+    """
+    from ase import Atoms
+
+    if not isinstance(atoms, Atoms):
+        raise TypeError(f"atoms must be an ase.Atoms, got {type(atoms).__name__}")
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     device = torch.device(device)
@@ -309,24 +387,53 @@ def force_step(model, positions, numbers, graph, create_graph: bool = False):
 def energy_and_forces(
     model: ECEModel,
     atoms,
-    dtype: torch.dtype = torch.float64,
-    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
     create_graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Energy (eV, a 0-d tensor) and forces ``-dE/dx`` (eV/A, ``(N, 3)``) of ``atoms``.
 
+    The step runs in the model's dtype and on its device; the model is never converted
+    or moved here. Put it where you want it first: ``model.double()`` for float64
+    (``ECEModel`` is built in the default dtype, float32), ``model.to("cuda")``.
+
     Args:
-        model: an :class:`ECEModel`; it is moved to ``dtype`` and ``device`` in place
-            (as ``nn.Module.to`` does).
+        model: an :class:`ECEModel` in float32 or float64.
         atoms: an ``ase.Atoms`` (positions in A, cell, pbc, atomic numbers).
-        dtype: float32 or float64.
-        device: where to compute.
+        dtype: None (the model's dtype), or the model's dtype spelt out; any other is
+            a TypeError naming the fix, ``model.to(dtype)``.
+        device: None (the model's device), or the model's device spelt out; any other
+            is a ValueError naming the fix, ``model.to(device)``.
         create_graph: keep the graph of the forces (for a force-loss training step).
     """
     if not isinstance(model, ECEModel):
         raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
+    p = next(model.parameters())
+    if p.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"the model is {p.dtype}; energy_and_forces computes in float32 or "
+            "float64: call model.float() or model.double() first"
+        )
+    if dtype is not None:
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"dtype must be None (the model's), torch.float32 or torch.float64, "
+                f"got {dtype!r}"
+            )
+        if dtype != p.dtype:
+            raise TypeError(
+                f"dtype={dtype} but the model is {p.dtype}, and energy_and_forces "
+                f"does not convert it: call model.to({dtype}) first, or leave dtype out"
+            )
+    if device is not None:
+        want = torch.device(device)
+        if want.type != p.device.type or want.index not in (None, p.device.index):
+            raise ValueError(
+                f"device={str(want)!r} but the model is on {p.device}, and "
+                f"energy_and_forces does not move it: call model.to({str(want)!r}) "
+                "first, or leave device out"
+            )
     positions, numbers, graph = prepare_inputs(
-        atoms, model.config.cutoff, dtype, device
+        atoms, model.config.cutoff, p.dtype, p.device
     )
-    model.to(device=positions.device, dtype=dtype)
     return force_step(model, positions, numbers, graph, create_graph)

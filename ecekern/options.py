@@ -1,16 +1,17 @@
 """Switches for the fast paths, and loud fallbacks.
 
-One typed object, :class:`Options`, says which optimisation each stage uses. The
-process-wide value comes from the defaults below, overridden by environment variables
-``ECEKERN_<FIELD>`` (for experiments: ``ECEKERN_FUSED_SCATTER=1``), and can be changed
-for a block of code with :func:`use`::
+On CUDA the defaults take every validated fast path; on the CPU the reference runs.
+One typed object, :class:`Options`, says which implementation each stage uses. The
+process-wide value comes from the defaults, overridden by environment variables
+``ECEKERN_<FIELD>`` (``ECEKERN_REFERENCE=1``, ``ECEKERN_LINEAR=dense``), and can be
+changed for a block of code with :func:`use`::
 
-    with ecekern.options.use(linear="dense"):
+    with ecekern.options.use(reference=True):   # the einsum reference everywhere
         energy, forces = ecekern.energy_and_forces(model, atoms)
 
-A fast path that cannot serve a call (unsupported device, dtype, shape, or not built
-yet) never fails silently: :func:`fallback` warns once per reason and the reference
-path runs instead.
+A fast path that cannot serve a call never fails silently: :func:`fallback` warns once
+per reason (:class:`FallbackWarning`) and the reference runs instead; a fast kernel
+that hands a call to a slower one says so once too (:class:`SlowerKernelWarning`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,19 @@ import os
 import warnings
 from dataclasses import dataclass, fields
 
-__all__ = ["FallbackWarning", "Options", "current", "fallback", "set_options", "use"]
+__all__ = [
+    "FallbackWarning",
+    "Options",
+    "SlowerKernelWarning",
+    "current",
+    "fallback",
+    "set_options",
+    "slower",
+    "use",
+]
 
 LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
+ZONAL_PATHS = ("auto", "reference", "fused")
 
 
 @dataclass(frozen=True)
@@ -31,30 +42,28 @@ class Options:
     """Which implementation each stage of the model uses.
 
     Attributes:
-        linear: EquivariantLinear path (chapter 2): ``"auto"``, ``"einsum"``,
-            ``"dense"`` or ``"triton"``.
-        packed_d: fused edge-frame kernels reading pre-packed D (chapter 3).
-        sync_free_unpack: integer-index unpack, no host syncs (chapter 4).
-        fused_scatter: the fused zonal scatter for the GIE (chapter 5).
-        edge_cohorts: cohort-wise backward of the mixing stack (chapter 6).
-        interpret: run Triton kernels in Triton's CPU interpreter for CPU tensors.
+        reference: run the einsum reference in every stage, whatever the others say.
+        linear: EquivariantLinear (chapter 2): ``"auto"`` (the measured choice: fast
+            paths on CUDA, the einsum elsewhere), ``"einsum"``, ``"dense"`` or
+            ``"triton"``.
+        zonal: the geometric initial embedding's zonal scatter (chapter 5):
+            ``"auto"`` (fused on CUDA, the reference elsewhere), ``"reference"`` or
+            ``"fused"`` (on the CPU through Triton's interpreter).
     """
 
-    linear: str = "einsum"
-    packed_d: bool = False
-    sync_free_unpack: bool = False
-    fused_scatter: bool = False
-    edge_cohorts: bool = False
-    interpret: bool = False
+    reference: bool = False
+    linear: str = "auto"
+    zonal: str = "auto"
 
     def __post_init__(self):
+        if not isinstance(self.reference, bool):
+            raise TypeError(f"option reference must be a bool, got {self.reference!r}")
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
                 f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"
             )
-        for f in fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise TypeError(f"option {f.name} must be a bool")
+        if self.zonal not in ZONAL_PATHS:
+            raise ValueError(f"zonal must be one of {ZONAL_PATHS}, got {self.zonal!r}")
 
 
 def _parse_bool(name: str, text: str) -> bool:
@@ -73,7 +82,7 @@ def _from_environment(base: Options) -> Options:
         if name in os.environ:
             raw = os.environ[name]
             changes[f.name] = (
-                raw.strip() if f.name == "linear" else _parse_bool(name, raw)
+                _parse_bool(name, raw) if f.name == "reference" else raw.strip()
             )
     return dataclasses.replace(base, **changes)
 
@@ -84,6 +93,21 @@ _current = _from_environment(Options())
 def current() -> Options:
     """The options in force now."""
     return _current
+
+
+def linear_path() -> str:
+    """The EquivariantLinear path the options ask for (``"einsum"`` under
+    ``reference``)."""
+    return "einsum" if _current.reference else _current.linear
+
+
+def zonal_fused(device_type: str) -> bool:
+    """Whether the zonal scatter takes the fused op for tensors on ``device_type``."""
+    if _current.reference:
+        return False
+    if _current.zonal == "auto":
+        return device_type == "cuda"
+    return _current.zonal == "fused"
 
 
 def set_options(**changes) -> Options:
@@ -109,19 +133,36 @@ class FallbackWarning(UserWarning):
     """A fast path could not serve a call and the reference path ran instead."""
 
 
+class SlowerKernelWarning(UserWarning):
+    """A fast kernel could not serve a call and a slower fast kernel ran instead."""
+
+
 _warned: set[str] = set()
+
+
+def _once(key: str, message: str, category) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=4)
 
 
 def fallback(op: str, reason: str) -> None:
     """Announce, once per ``(op, reason)``, that ``op`` falls back to the reference."""
-    key = f"{op}: {reason}"
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            f"ecekern: {op} falls back to the reference path ({reason})",
-            FallbackWarning,
-            stacklevel=3,
-        )
+    _once(
+        f"{op}: {reason}",
+        f"ecekern: {op} falls back to the reference path ({reason})",
+        FallbackWarning,
+    )
+
+
+def slower(op: str, note: str) -> None:
+    """Announce, once per ``(op, note)``, that ``op`` runs a slower kernel than its
+    fastest (``note`` says which and why)."""
+    _once(
+        f"{op}: {note}",
+        f"ecekern: {op} runs a slower kernel ({note})",
+        SlowerKernelWarning,
+    )
 
 
 def reset_fallback_warnings() -> None:

@@ -31,40 +31,22 @@ written.
 Status: deterministic (each destination's segment in ascending CSR order; the backward
 has no reduction across edges), fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32
 accumulation), L = 1..4, any C (padded to a power of two and masked), int64 offsets,
-nodes with no edges, E = 0. Registered as ``torch.library`` ops
-(``ecekern::zonal_scatter_fwd``, ``ecekern::zonal_edge_gather``) with fake
-implementations and autograd: ``triton_op`` on the GPU, so inductor traces the Triton
-launches inside (``REGISTRATION``); custom ops in the interpreter. The launchers make L
-and C plain ints (the tile shapes) and keep E and N symbolic under ``dynamic=True``. On
-the H200 (2026-11-30) every zonal test passes with the ops as ``triton_op``
-(47afb6371422; the inductor test compiles in 8 s), and the inductor test also as custom
-ops. On the H200 (2026-11-29; chapter 5's capture at 3e126132bb00, its sweep at
-c3b798f32cf3) the kernels match the reference in fp64 and fp32 for L = 1..4, are bitwise
-deterministic, and compile under inductor equal to eager (the GPU tests at
-8716f0a42bc6). At 365k edges, L = 3, C = 32 the pipelined degree-by-degree forward takes
-57 us of GPU time (CUDA-graph replay; Nsight Compute: 50 us, 71 % of DRAM peak) against
-a 40 us floor, and forward plus backward 0.24 ms against the reference's 6.9 ms. Called
-eagerly the op costs about 0.1 ms of host work (the custom-op dispatcher, autograd,
-Triton's launcher), more than its kernels at that size.
+nodes with no edges, E = 0, any strides (the index tensors are made contiguous).
+Registered as ``torch.library`` ops (``ecekern::zonal_scatter_fwd``,
+``ecekern::zonal_edge_gather``) with fake implementations and autograd: ``triton_op`` on
+the GPU, so inductor traces the Triton launches inside; custom ops in the interpreter.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton wheels on this platform: reference paths only
-    from . import _no_triton as triton
-
-    tl = triton.language
-
 from . import options, reference
-from .linear import INTERPRET
+from ._triton import AVAILABLE, INTERPRET, tl, triton, why_not_triton
 
 #: How the two ops are registered with ``torch.library`` (``ECEKERN_ZONAL_OP``):
 #: ``triton_op`` (the default: inductor traces the Triton launches inside) or
@@ -73,7 +55,7 @@ from .linear import INTERPRET
 REGISTRATION = os.environ.get("ECEKERN_ZONAL_OP", "triton_op")
 if REGISTRATION not in ("custom_op", "triton_op"):
     raise ValueError(f"ECEKERN_ZONAL_OP={REGISTRATION!r}: custom_op or triton_op")
-if REGISTRATION == "triton_op" and getattr(triton, "AVAILABLE", True) and not INTERPRET:
+if REGISTRATION == "triton_op" and AVAILABLE and not INTERPRET:
     from torch.library import triton_op, wrap_triton
 else:
     REGISTRATION = "custom_op"
@@ -85,11 +67,7 @@ else:
         return kernel
 
 
-__all__ = ["zonal_scatter"]
-
-#: The kernels matched the reference on the H200 (fp64, fp32, L = 1..4): CUDA calls
-#: take them. Set False to send CUDA calls to the reference (loudly).
-CUDA_VALIDATED = True
+__all__ = ["ZonalLaunch", "zonal_scatter"]
 
 
 # --------------------------------------------------------------------------------------
@@ -97,79 +75,54 @@ CUDA_VALIDATED = True
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _degree_block(
-    z_ptr,
-    r_ptr,
-    offs_e,
-    mask_e,
-    offs_c,
-    mask_c,
-    stride_z_e,
-    stride_z_s,
-    stride_r_e,
-    stride_r_l,
-    stride_r_c,
-    acc,
-    l: tl.constexpr,
-    D_PAD: tl.constexpr,
+    zr, st, acc, l: tl.constexpr, L: tl.constexpr, D_PAD: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
-):
+):  # fmt: skip
     """``acc[e, d, c] += Z[e, l^2 - 1 + d] R[e, l - 1, c]`` for the 2l + 1 rows of
-    degree l: one coalesced ``[BLOCK_E, C]`` row of R, read once. ``acc`` is
-    ``[BLOCK_E, D_PAD, C_PAD]`` (a partial sum per edge lane) or ``[1, D_PAD,
-    C_PAD]`` (the block summed at once: fewer registers)."""
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < 2 * l + 1
-    z = tl.load(
-        z_ptr
-        + offs_e[:, None] * stride_z_e
-        + (l * l - 1 + offs_d)[None, :] * stride_z_s,
-        mask=mask_e[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(ACC_DTYPE)
-    r = tl.load(
-        r_ptr
-        + offs_e[:, None] * stride_r_e
-        + (l - 1) * stride_r_l
-        + offs_c[None, :] * stride_r_c,
-        mask=mask_e[:, None] & mask_c[None, :],
-        other=0.0,
-    ).to(ACC_DTYPE)
-    prod = z[:, :, None] * r[:, None, :]
-    # one return: Triton's code generator rejects two returns of different shapes even
-    # when the branch is decided at compile time
-    if acc.shape[0] == 1:  # one partial sum per row: the block's edges summed now
-        out = acc + tl.sum(prod, axis=0, keep_dims=True)
-    else:  # one partial sum per edge lane
-        out = acc + prod
-    return out
+    degree l <= L (acc unchanged past L): one coalesced ``[BLOCK_E, C]`` row of R,
+    read once. ``zr`` holds the pointers, offsets and masks, ``st`` the strides of Z
+    and R; ``acc`` is ``[BLOCK_E, D_PAD, C_PAD]``."""
+    if l <= L:
+        z_ptr, r_ptr, offs_e, mask_e, offs_c, mask_c = zr
+        stride_z_e, stride_z_s, stride_r_e, stride_r_l, stride_r_c = st
+        offs_d = tl.arange(0, D_PAD)
+        mask_d = offs_d < 2 * l + 1
+        z = tl.load(
+            z_ptr
+            + offs_e[:, None] * stride_z_e
+            + (l * l - 1 + offs_d)[None, :] * stride_z_s,
+            mask=mask_e[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(ACC_DTYPE)
+        r = tl.load(
+            r_ptr
+            + offs_e[:, None] * stride_r_e
+            + (l - 1) * stride_r_l
+            + offs_c[None, :] * stride_r_c,
+            mask=mask_e[:, None] & mask_c[None, :],
+            other=0.0,
+        ).to(ACC_DTYPE)
+        acc = acc + z[:, :, None] * r[:, None, :]
+    return acc
 
 
 @triton.jit
 def _degree_store(
-    out_ptr,
-    n,
-    offs_c,
-    mask_c,
-    stride_o_n,
-    stride_o_s,
-    stride_o_c,
-    acc,
-    scale_hi,
-    scale_lo,
-    l: tl.constexpr,
-    D_PAD: tl.constexpr,
+    o, acc, scale_hi, scale_lo, l: tl.constexpr, L: tl.constexpr, D_PAD: tl.constexpr
 ):
-    """Sum the edge lanes of one degree and store its 2l + 1 output rows."""
-    offs_d = tl.arange(0, D_PAD)
-    h = tl.sum(acc, axis=0)  # [D_PAD, C_PAD]
-    tl.store(
-        out_ptr
-        + n * stride_o_n
-        + (l * l + offs_d)[:, None] * stride_o_s
-        + offs_c[None, :] * stride_o_c,
-        (h * scale_hi + h * scale_lo).to(out_ptr.dtype.element_ty),
-        mask=(offs_d < 2 * l + 1)[:, None] & mask_c[None, :],
-    )
+    """Sum the edge lanes of degree l <= L and store its 2l + 1 output rows."""
+    if l <= L:
+        out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_s, stride_o_c = o
+        offs_d = tl.arange(0, D_PAD)
+        h = tl.sum(acc, axis=0)  # [D_PAD, C_PAD]
+        tl.store(
+            out_ptr
+            + n * stride_o_n
+            + (l * l + offs_d)[:, None] * stride_o_s
+            + offs_c[None, :] * stride_o_c,
+            (h * scale_hi + h * scale_lo).to(out_ptr.dtype.element_ty),
+            mask=(offs_d < 2 * l + 1)[:, None] & mask_c[None, :],
+        )
 
 
 @triton.jit
@@ -182,187 +135,49 @@ def _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c):
 @triton.jit
 def _zonal_fwd_degrees_kernel(
     # pointers
-    z_ptr,
-    r_ptr,
-    row_ptr_ptr,
-    out_ptr,
+    z_ptr, r_ptr, row_ptr_ptr, out_ptr,
     # sizes
-    E,
-    C,
-    scale_hi,
-    scale_lo,
+    E, C, scale_hi, scale_lo,
     # strides
-    stride_z_e,
-    stride_z_s,
-    stride_r_e,
-    stride_r_l,
-    stride_r_c,
-    stride_o_n,
-    stride_o_s,
-    stride_o_c,
+    stride_z_e, stride_z_s, stride_r_e, stride_r_l, stride_r_c,
+    stride_o_n, stride_o_s, stride_o_c,
     # meta-parameters
-    L: tl.constexpr,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    D3: tl.constexpr,
-    D4: tl.constexpr,
-    C_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    ACC_E: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-):
+    L: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    D4: tl.constexpr, C_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
     """One destination node: walk its CSR segment in blocks of edges, degree by
-    degree. ``ACC_E = BLOCK_E``: one partial sum per edge lane, ``[BLOCK_E, D_l, C]``,
-    summed once at the end; ``ACC_E = 1``: each block's edges are summed as it
-    arrives (fewer registers). ``D_l`` is 2l + 1 rounded up to a power of two. With
-    ``STAGES > 1`` the loads of the next blocks are in flight (through shared
-    memory) while this one is summed."""
+    degree, one partial sum per edge lane, ``[BLOCK_E, D_l, C]``, summed once at the
+    end. ``D_l`` is 2l + 1 rounded up to a power of two. With ``STAGES > 1`` the loads
+    of the next blocks are in flight (through shared memory) while this one is
+    summed."""
     n = tl.program_id(0).to(tl.int64)
     # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
     start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
     end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
     offs_c = tl.arange(0, C_PAD)
     mask_c = offs_c < C
-    acc1 = tl.zeros([ACC_E, D1, C_PAD], ACC_DTYPE)
-    acc2 = tl.zeros([ACC_E, D2, C_PAD], ACC_DTYPE)
-    acc3 = tl.zeros([ACC_E, D3, C_PAD], ACC_DTYPE)
-    acc4 = tl.zeros([ACC_E, D4, C_PAD], ACC_DTYPE)
+    acc1 = tl.zeros([BLOCK_E, D1, C_PAD], ACC_DTYPE)
+    acc2 = tl.zeros([BLOCK_E, D2, C_PAD], ACC_DTYPE)
+    acc3 = tl.zeros([BLOCK_E, D3, C_PAD], ACC_DTYPE)
+    acc4 = tl.zeros([BLOCK_E, D4, C_PAD], ACC_DTYPE)
     for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
+        # 1. one block of edges, each degree's rows of Z and its row of R
         offs_e = e0 + tl.arange(0, BLOCK_E)
         mask_e = offs_e < end
-        acc1 = _degree_block(
-            z_ptr,
-            r_ptr,
-            offs_e,
-            mask_e,
-            offs_c,
-            mask_c,
-            stride_z_e,
-            stride_z_s,
-            stride_r_e,
-            stride_r_l,
-            stride_r_c,
-            acc1,
-            1,
-            D1,
-            ACC_DTYPE,
-        )
-        if L > 1:
-            acc2 = _degree_block(
-                z_ptr,
-                r_ptr,
-                offs_e,
-                mask_e,
-                offs_c,
-                mask_c,
-                stride_z_e,
-                stride_z_s,
-                stride_r_e,
-                stride_r_l,
-                stride_r_c,
-                acc2,
-                2,
-                D2,
-                ACC_DTYPE,
-            )
-        if L > 2:
-            acc3 = _degree_block(
-                z_ptr,
-                r_ptr,
-                offs_e,
-                mask_e,
-                offs_c,
-                mask_c,
-                stride_z_e,
-                stride_z_s,
-                stride_r_e,
-                stride_r_l,
-                stride_r_c,
-                acc3,
-                3,
-                D3,
-                ACC_DTYPE,
-            )
-        if L > 3:
-            acc4 = _degree_block(
-                z_ptr,
-                r_ptr,
-                offs_e,
-                mask_e,
-                offs_c,
-                mask_c,
-                stride_z_e,
-                stride_z_s,
-                stride_r_e,
-                stride_r_l,
-                stride_r_c,
-                acc4,
-                4,
-                D4,
-                ACC_DTYPE,
-            )
-    # row 0 is zero; rows 1..S-1 degree by degree
+        zr = (z_ptr, r_ptr, offs_e, mask_e, offs_c, mask_c)
+        st = (stride_z_e, stride_z_s, stride_r_e, stride_r_l, stride_r_c)
+        acc1 = _degree_block(zr, st, acc1, 1, L, D1, ACC_DTYPE)
+        acc2 = _degree_block(zr, st, acc2, 2, L, D2, ACC_DTYPE)
+        acc3 = _degree_block(zr, st, acc3, 3, L, D3, ACC_DTYPE)
+        acc4 = _degree_block(zr, st, acc4, 4, L, D4, ACC_DTYPE)
+    # 2. row 0 is zero; rows 1..S-1 degree by degree
     _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c)
-    _degree_store(
-        out_ptr,
-        n,
-        offs_c,
-        mask_c,
-        stride_o_n,
-        stride_o_s,
-        stride_o_c,
-        acc1,
-        scale_hi,
-        scale_lo,
-        1,
-        D1,
-    )
-    if L > 1:
-        _degree_store(
-            out_ptr,
-            n,
-            offs_c,
-            mask_c,
-            stride_o_n,
-            stride_o_s,
-            stride_o_c,
-            acc2,
-            scale_hi,
-            scale_lo,
-            2,
-            D2,
-        )
-    if L > 2:
-        _degree_store(
-            out_ptr,
-            n,
-            offs_c,
-            mask_c,
-            stride_o_n,
-            stride_o_s,
-            stride_o_c,
-            acc3,
-            scale_hi,
-            scale_lo,
-            3,
-            D3,
-        )
-    if L > 3:
-        _degree_store(
-            out_ptr,
-            n,
-            offs_c,
-            mask_c,
-            stride_o_n,
-            stride_o_s,
-            stride_o_c,
-            acc4,
-            scale_hi,
-            scale_lo,
-            4,
-            D4,
-        )
+    o = (out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_s, stride_o_c)
+    _degree_store(o, acc1, scale_hi, scale_lo, 1, L, D1)
+    _degree_store(o, acc2, scale_hi, scale_lo, 2, L, D2)
+    _degree_store(o, acc3, scale_hi, scale_lo, 3, L, D3)
+    _degree_store(o, acc4, scale_hi, scale_lo, 4, L, D4)
 
 
 @triton.jit
@@ -373,86 +188,6 @@ def _degree_of_row(offs_s, mask_s, other: tl.constexpr):
     The half keeps the floor exact under an approximate square root."""
     l_idx = tl.sqrt((offs_s + 1).to(tl.float32) + 0.5).to(tl.int32) - 1
     return tl.where(mask_s, l_idx, other)
-
-
-@triton.jit
-def _zonal_fwd_lanes_kernel(
-    # pointers
-    z_ptr,
-    r_ptr,
-    row_ptr_ptr,
-    out_ptr,
-    # sizes
-    E,
-    SM1,
-    C,
-    scale_hi,
-    scale_lo,
-    # strides
-    stride_z_e,
-    stride_z_s,
-    stride_r_e,
-    stride_r_l,
-    stride_r_c,
-    stride_o_n,
-    stride_o_s,
-    stride_o_c,
-    # meta-parameters
-    S_PAD: tl.constexpr,
-    C_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-):
-    """One destination node: walk its CSR segment in blocks of edges, all rows at once:
-    R is gathered by degree into ``[BLOCK_E, S_PAD, C_PAD]`` (rows of one degree read
-    the same R row, from L1); one partial sum per edge lane, summed once at the end
-    (no reduction across threads inside the loop)."""
-    n = tl.program_id(0).to(tl.int64)
-    # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
-    start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
-    end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
-    offs_s = tl.arange(0, S_PAD)  # row s-1 of Z; component s of the output
-    offs_c = tl.arange(0, C_PAD)
-    mask_s = offs_s < SM1
-    mask_c = offs_c < C
-    # degree of each row, l(s) - 1: which row of R feeds it
-    l_idx = _degree_of_row(offs_s, mask_s, 0)
-    acc3 = tl.zeros([BLOCK_E, S_PAD, C_PAD], ACC_DTYPE)
-    for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
-        # 1. gather one block of edges: Z [BLOCK_E, S_PAD], R by degree
-        #    [BLOCK_E, S_PAD, C_PAD] (rows of one degree read the same R row)
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        mask_e = offs_e < end
-        z = tl.load(
-            z_ptr + offs_e[:, None] * stride_z_e + offs_s[None, :] * stride_z_s,
-            mask=mask_e[:, None] & mask_s[None, :],
-            other=0.0,
-        ).to(ACC_DTYPE)
-        r = tl.load(
-            r_ptr
-            + offs_e[:, None, None] * stride_r_e
-            + l_idx[None, :, None] * stride_r_l
-            + offs_c[None, None, :] * stride_r_c,
-            mask=mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :],
-            other=0.0,
-        ).to(ACC_DTYPE)
-        # 2. multiply and sum over the block's edges, in registers
-        acc3 += z[:, :, None] * r
-    acc = tl.sum(acc3, axis=0)
-    # 3. store row 0 (zero) and rows 1..S-1
-    _zero_row(out_ptr, n, offs_c, mask_c, stride_o_n, stride_o_c)
-    o_ptrs = (
-        out_ptr
-        + n * stride_o_n
-        + (offs_s[:, None] + 1) * stride_o_s
-        + offs_c[None, :] * stride_o_c
-    )
-    tl.store(
-        o_ptrs,
-        (acc * scale_hi + acc * scale_lo).to(out_ptr.dtype.element_ty),
-        mask=mask_s[:, None] & mask_c[None, :],
-    )
 
 
 @triton.jit
@@ -597,87 +332,6 @@ def _zonal_gather_kernel(
     )
 
 
-@triton.jit
-def _zonal_gather_node_kernel(
-    # pointers
-    g_ptr,
-    z_ptr,
-    r_ptr,
-    row_ptr_ptr,
-    dz_ptr,
-    dr_ptr,
-    # sizes
-    E,
-    SM1,
-    C,
-    scale_hi,
-    scale_lo,
-    # strides
-    stride_g_n,
-    stride_g_s,
-    stride_g_c,
-    stride_z_e,
-    stride_z_s,
-    stride_r_e,
-    stride_r_l,
-    stride_r_c,
-    # meta-parameters
-    L: tl.constexpr,
-    S_PAD: tl.constexpr,
-    C_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-):
-    """The gather by destination: one node's ``G[n]`` is read once, then its CSR
-    segment is walked block by block (each edge's outputs are its own: no reduction
-    across edges, so the order cannot change a bit)."""
-    n = tl.program_id(0).to(tl.int64)
-    # clamped: a CSR that was not validated (traced graphs) cannot read out of bounds
-    start = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n), 0), E)
-    end = tl.minimum(tl.maximum(tl.load(row_ptr_ptr + n + 1), start), E)
-    offs_s = tl.arange(0, S_PAD)
-    offs_c = tl.arange(0, C_PAD)
-    mask_s = offs_s < SM1
-    mask_c = offs_c < C
-    l_idx = _degree_of_row(offs_s, mask_s, -1)
-    g = tl.load(
-        g_ptr
-        + n * stride_g_n
-        + (offs_s[:, None] + 1) * stride_g_s
-        + offs_c[None, :] * stride_g_c,
-        mask=mask_s[:, None] & mask_c[None, :],
-        other=0.0,
-    ).to(ACC_DTYPE)  # [S_PAD, C_PAD]
-    for e0 in tl.range(start, end, BLOCK_E, num_stages=STAGES):
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        _edge_grads(
-            g[None, :, :],
-            z_ptr,
-            r_ptr,
-            dz_ptr,
-            dr_ptr,
-            offs_e,
-            offs_e < end,
-            offs_s,
-            mask_s,
-            offs_c,
-            mask_c,
-            l_idx,
-            SM1,
-            C,
-            scale_hi,
-            scale_lo,
-            stride_z_e,
-            stride_z_s,
-            stride_r_e,
-            stride_r_l,
-            stride_r_c,
-            L,
-            ACC_DTYPE,
-        )
-
-
 # --------------------------------------------------------------------------------------
 # launchers: check, allocate, launch
 # --------------------------------------------------------------------------------------
@@ -698,28 +352,21 @@ def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-#: Launch choices, measured in chapter 5 (``launch_sweep.csv``): the forward over all
-#: rows at once (``"lanes"``) or degree by degree (``"degrees"``), with a partial sum
-#: per edge lane (``fwd_acc="edge"``) or per row (``"block"``); the backward by
-#: blocks of edges (``"edge"``) or by destination (``"node"``); warps per program;
-#: software-pipelining stages of the CSR walk (``tl.range(num_stages=...)``: the next
-#: blocks' loads in flight through shared memory); and the register tile of each, in
-#: elements: BLOCK_E is the tile divided by the padded rows times the padded channels
-#: of one edge, so the tile, not BLOCK_E, stays fixed when L or C grows. The values
-#: are the H200 sweep's fastest at E = 365k, L = 3, C = 32 (BLOCK_E = 8 forward, 8
-#: backward there; commit 3e126132bb00). One fixed choice, so that results are the
-#: same bits in every process (an autotuner could pick differently from run to run).
-CONFIG = {
-    "forward": "degrees",
-    "fwd_tile": 5120,
-    "fwd_warps": 1,
-    "fwd_stages": 4,
-    "fwd_acc": "edge",
-    "gather": "edge",
-    "bwd_tile": 4096,
-    "bwd_warps": 1,
-    "bwd_stages": 1,
-}
+@dataclass(frozen=True)
+class ZonalLaunch:
+    """The kernels' launch: the register tile of each (in fp32 elements, halved for
+    fp64), warps per program, and the software-pipelining stages of the forward's
+    CSR walk (the next blocks' loads in flight through shared memory). BLOCK_E is the
+    tile divided by the padded rows times the padded channels of one edge, so the
+    tile, not BLOCK_E, stays fixed when L or C grows. The defaults are chapter 5's
+    fastest at E = 365k, L = 3, C = 32 (BLOCK_E = 8 forward and backward there); one
+    fixed choice, so results are the same bits in every process."""
+
+    fwd_tile: int = 5120
+    fwd_warps: int = 1
+    fwd_stages: int = 4
+    bwd_tile: int = 4096
+    bwd_warps: int = 1
 
 
 def edges_per_block(tile: int, rows: int, C_PAD: int) -> int:
@@ -729,30 +376,26 @@ def edges_per_block(tile: int, rows: int, C_PAD: int) -> int:
     return min(64, 1 << (n.bit_length() - 1))
 
 
-def fwd_rows(variant: str, L: int) -> int:
-    """Padded rows of one edge in the forward's register tile: ``S-1`` rounded up to
-    a power of two (``"lanes"``), or each degree's ``2l+1`` rounded up, summed
-    (``"degrees"``). ``BLOCK_E * fwd_rows * C_PAD`` is the tile."""
-    if variant == "lanes":
-        return triton.next_power_of_2((L + 1) ** 2 - 1)
+def fwd_rows(L: int) -> int:
+    """Padded rows of one edge in the forward's register tile: each degree's 2l + 1
+    rounded up to a power of two, summed."""
     return sum(triton.next_power_of_2(2 * l + 1) for l in range(1, L + 1))
 
 
-def _block_e(kind: str, rows: int, C_PAD: int, dtype: torch.dtype) -> int:
-    """BLOCK_E for a launch; the tile is in fp32 elements, halved for fp64 (whose
-    accumulators take two registers each)."""
+def _block_e(tile: int, rows: int, C_PAD: int, dtype: torch.dtype) -> int:
     if INTERPRET:
         return 16
-    tile = CONFIG[f"{kind}_tile"] // (2 if dtype == torch.float64 else 1)
-    return edges_per_block(tile, rows, C_PAD)
+    return edges_per_block(tile // (2 if dtype == torch.float64 else 1), rows, C_PAD)
 
 
-def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
-    """Launch the forward kernel: ``(N, S, C)``, one program per destination node."""
+def zonal_scatter_fwd(
+    Z, R, row_ptr, scale: float, launch: ZonalLaunch = ZonalLaunch()
+) -> torch.Tensor:
+    """Launch the forward kernel: ``(N, S, C)``, one program per destination node;
+    ``row_ptr`` contiguous."""
     E, L, C = R.shape
     # L and C pick compile-time tile shapes: plain ints, also while inductor traces
-    # with symbolic sizes (a symbolic C sends next_power_of_2's bit tricks through
-    # sympy, which took minutes); E and N stay symbolic
+    # with symbolic sizes; E and N stay symbolic
     L, C = int(L), int(C)
     S = (L + 1) ** 2
     N = row_ptr.shape[0] - 1
@@ -761,66 +404,22 @@ def zonal_scatter_fwd(Z, R, row_ptr, scale: float) -> torch.Tensor:
         return out
     C_PAD = triton.next_power_of_2(C)
     D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
-    lanes = CONFIG["forward"] == "lanes"
-    S_PAD = triton.next_power_of_2(S - 1)
-    rows = fwd_rows(CONFIG["forward"], L)
-    common = dict(
-        C_PAD=C_PAD,
-        BLOCK_E=_block_e("fwd", rows, C_PAD, Z.dtype),
-        ACC_DTYPE=_acc(Z.dtype),
-        STAGES=CONFIG["fwd_stages"],
-        num_warps=CONFIG["fwd_warps"],
-    )
-    strides = (
-        Z.stride(0),
-        Z.stride(1),
-        R.stride(0),
-        R.stride(1),
-        R.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-    )
-    if lanes:
-        wrap_triton(_zonal_fwd_lanes_kernel)[(N,)](
-            Z,
-            R,
-            row_ptr,
-            out,
-            E,
-            S - 1,
-            C,
-            *_split_scale(scale),
-            *strides,
-            S_PAD=S_PAD,
-            **common,
-        )
-        return out
     wrap_triton(_zonal_fwd_degrees_kernel)[(N,)](
-        Z,
-        R,
-        row_ptr,
-        out,
-        E,
-        C,
-        *_split_scale(scale),
-        *strides,
-        L=L,
-        ACC_E=common["BLOCK_E"] if CONFIG["fwd_acc"] == "edge" else 1,
-        D1=D[0],
-        D2=D[1],
-        D3=D[2],
-        D4=D[3],
-        **common,
-    )
+        Z, R, row_ptr, out, E, C, *_split_scale(scale),
+        Z.stride(0), Z.stride(1), R.stride(0), R.stride(1), R.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], C_PAD=C_PAD,
+        BLOCK_E=_block_e(launch.fwd_tile, fwd_rows(L), C_PAD, Z.dtype),
+        STAGES=launch.fwd_stages, ACC_DTYPE=_acc(Z.dtype), num_warps=launch.fwd_warps,
+    )  # fmt: skip
     return out
 
 
 def zonal_edge_gather(
-    G, Z, R, dst, row_ptr, scale: float
+    G, Z, R, dst, row_ptr, scale: float, launch: ZonalLaunch = ZonalLaunch()
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the gather: ``dZ (E, S-1)`` and ``dR (E, L, C)``, by destination node
-    (``CONFIG["gather"] == "node"``) or by blocks of edges."""
+    """Launch the gather: ``dZ (E, S-1)`` and ``dR (E, L, C)`` by blocks of edges;
+    ``dst`` contiguous."""
     E, L, C = R.shape
     L, C = int(L), int(C)  # compile-time tile shapes (see zonal_scatter_fwd)
     S = (L + 1) ** 2
@@ -829,37 +428,14 @@ def zonal_edge_gather(
     if E == 0 or C == 0 or row_ptr.shape[0] < 2:  # no edges, or no node to read
         return dz.zero_(), dr.zero_()
     S_PAD, C_PAD = triton.next_power_of_2(S - 1), triton.next_power_of_2(C)
-    BE = _block_e("bwd", S_PAD, C_PAD, Z.dtype)
-    by_node = CONFIG["gather"] == "node"
-    kernel = _zonal_gather_node_kernel if by_node else _zonal_gather_kernel
-    grid = (row_ptr.shape[0] - 1,) if by_node else (triton.cdiv(E, BE),)
-    wrap_triton(kernel)[grid](
-        G,
-        Z,
-        R,
-        row_ptr if by_node else dst,
-        dz,
-        dr,
-        *((E,) if by_node else (E, row_ptr.shape[0] - 1)),
-        S - 1,
-        C,
-        *_split_scale(scale),
-        G.stride(0),
-        G.stride(1),
-        G.stride(2),
-        Z.stride(0),
-        Z.stride(1),
-        R.stride(0),
-        R.stride(1),
-        R.stride(2),
-        L=L,
-        S_PAD=S_PAD,
-        C_PAD=C_PAD,
-        BLOCK_E=BE,
-        ACC_DTYPE=_acc(Z.dtype),
-        num_warps=CONFIG["bwd_warps"],
-        **({"STAGES": CONFIG["bwd_stages"]} if by_node else {}),
-    )
+    BE = _block_e(launch.bwd_tile, S_PAD, C_PAD, Z.dtype)
+    wrap_triton(_zonal_gather_kernel)[(triton.cdiv(E, BE),)](
+        G, Z, R, dst, dz, dr, E, row_ptr.shape[0] - 1, S - 1, C, *_split_scale(scale),
+        G.stride(0), G.stride(1), G.stride(2), Z.stride(0), Z.stride(1),
+        R.stride(0), R.stride(1), R.stride(2),
+        L=L, S_PAD=S_PAD, C_PAD=C_PAD, BLOCK_E=BE, ACC_DTYPE=_acc(Z.dtype),
+        num_warps=launch.bwd_warps,
+    )  # fmt: skip
     return dz, dr
 
 
@@ -935,20 +511,6 @@ _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # --------------------------------------------------------------------------------------
 # public function
 # --------------------------------------------------------------------------------------
-def _reason(Z: torch.Tensor) -> str | None:
-    if not getattr(triton, "AVAILABLE", True):
-        return "Triton is not installed on this platform"
-    if Z.device.type == "cpu" and not INTERPRET:
-        return (
-            "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"
-        )
-    if Z.device.type == "cuda" and not CUDA_VALIDATED:
-        return "the fused kernels have not been validated on CUDA yet"
-    if Z.device.type not in ("cpu", "cuda"):
-        return f"device {Z.device.type} is not supported"
-    return None
-
-
 def zonal_scatter(
     Z, R, dst, row_ptr, scale: float, *, validate: bool = True
 ) -> torch.Tensor:
@@ -967,13 +529,14 @@ def zonal_scatter(
     """
     values = validate and not torch.compiler.is_compiling()
     reference.check_zonal_scatter(Z, R, dst, row_ptr, values=values)
-    if R.shape[1] > 4 or R.shape[1] < 1:
-        options.fallback("zonal_scatter", f"L = {R.shape[1]} is outside 1..4")
-        return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
-    reason = _reason(Z)
+    reason = why_not_triton(Z.device.type)
+    if reason is None and not 1 <= R.shape[1] <= 4:
+        reason = f"L = {R.shape[1]} is outside 1..4"
     if reason is not None:
         options.fallback("zonal_scatter", reason)
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
+    # the kernels read the index tensors as contiguous (any strides for Z and R)
+    dst, row_ptr = dst.contiguous(), row_ptr.contiguous()
     return _scatter_op(Z.contiguous(), R.contiguous(), dst, row_ptr, float(scale))
 
 

@@ -3,13 +3,14 @@ import torch
 
 import ecekern
 from ecekern import options, reference, zonal
+from ecekern._triton import INTERPRET
 from ecekern.bench import cuda_graph
 from ecekern.graph import csr_row_ptr
 from ecekern.testing import assert_close_three_way, rel_err
 
 # the fused op runs in the interpreter on CPU machines and on the GPU elsewhere: the
 # same tests, on whichever device serves the kernels here
-DEV = "cpu" if zonal.INTERPRET else "cuda"
+DEV = "cpu" if INTERPRET else "cuda"
 
 
 def _inputs(E, N, L, C, dtype=torch.float64, seed=0, empty_nodes=()):
@@ -151,11 +152,9 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
     atoms = ecekern.systems.diamond(1, rattle=0.1, seed=6)
     results = []
     for fused in (False, True):
-        model = ecekern.ECEModel(cfg)
-        with options.use(fused_scatter=fused):
-            e, f = ecekern.energy_and_forces(
-                model, atoms, create_graph=True, device=DEV
-            )
+        model = ecekern.ECEModel(cfg).to(DEV, torch.float64)
+        with options.use(zonal="fused" if fused else "reference"):
+            e, f = ecekern.energy_and_forces(model, atoms, create_graph=True)
             loss = (f**2).sum() + e**2
             loss.backward()
         results.append([e, f, loss] + [p.grad for p in model.parameters()])
@@ -163,30 +162,44 @@ def test_model_energy_forces_and_training_step_with_the_fused_op():
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize(
-    "forward, acc, gather",
-    [
-        ("lanes", "edge", "edge"),
-        ("lanes", "edge", "node"),
-        ("degrees", "edge", "edge"),
-        ("degrees", "block", "node"),
-    ],
-)
 @pytest.mark.parametrize("L", [1, 2, 4])
 @pytest.mark.parametrize("stages", [1, 3])
-def test_launch_variants_match_reference(forward, acc, gather, L, stages, monkeypatch):
-    """Every launch choice chapter 5 measures computes the same thing, with the CSR
-    walk software-pipelined (stages > 1: loads in flight through shared memory on
-    the GPU) or not, partial sums per edge lane or per row."""
-    monkeypatch.setitem(zonal.CONFIG, "forward", forward)
-    monkeypatch.setitem(zonal.CONFIG, "fwd_acc", acc)
-    monkeypatch.setitem(zonal.CONFIG, "gather", gather)
-    monkeypatch.setitem(zonal.CONFIG, "fwd_stages", stages)
-    monkeypatch.setitem(zonal.CONFIG, "bwd_stages", stages)
-    args = _inputs(70, 6, L, 19, empty_nodes=(2,))
+def test_launches_match_reference(L, stages):
+    """The launchers compute the same thing at every launch chapter 5 measures: the
+    CSR walk software-pipelined (stages > 1: loads in flight through shared memory on
+    the GPU) or not, small and large register tiles. Launches are arguments."""
+    Z, R, dst, row_ptr = _inputs(70, 6, L, 19, empty_nodes=(2,))
+    for tile in (1024, 5120):
+        launch = zonal.ZonalLaunch(fwd_tile=tile, fwd_stages=stages, bwd_tile=tile)
+        h = zonal.zonal_scatter_fwd(Z.detach(), R.detach(), row_ptr, 0.37, launch)
+        assert rel_err(h, reference.zonal_scatter(Z, R, dst, row_ptr, 0.37)) < 1e-12
+        G = torch.randn_like(h)
+        dz, dr = zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.37, launch)
+        want = torch.autograd.grad(
+            reference.zonal_scatter(Z, R, dst, row_ptr, 0.37), (Z, R), G
+        )
+        assert rel_err(dz, want[0]) < 1e-12 and rel_err(dr, want[1]) < 1e-12
+
+
+@pytest.mark.parametrize("which", ["row_ptr", "dst", "both"])
+def test_strided_index_tensors(which):
+    """The stride contract: ``row_ptr`` and ``dst`` that are every other element of a
+    larger tensor (a slice, as a batch of graphs would hand them over). Before the
+    contract the fused forward read a strided row_ptr as contiguous (off by 5.6) and
+    the gradient gather a strided dst (off by 2.0)."""
+    Z, R, dst, row_ptr = _inputs(40, 7, 2, 5)
+
+    def strided(t):
+        big = torch.full((2 * t.shape[0],), -7, dtype=t.dtype, device=t.device)
+        big[::2] = t
+        return big[::2]
+
+    d = strided(dst) if which in ("dst", "both") else dst
+    p = strided(row_ptr) if which in ("row_ptr", "both") else row_ptr
+    assert not (d.is_contiguous() and p.is_contiguous())
     for got, ref in zip(
-        _run(zonal.zonal_scatter, *args),
-        _run(reference.zonal_scatter, *args),
+        _run(zonal.zonal_scatter, Z, R, d, p),
+        _run(reference.zonal_scatter, Z, R, dst, row_ptr),
         strict=True,
     ):
         assert rel_err(got, ref) < 1e-12

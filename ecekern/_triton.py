@@ -1,0 +1,88 @@
+"""The one import of Triton and Gluon that every chapter module shares.
+
+Chapter modules import ``triton``, ``tl``, ``gluon``, ``gl`` and the flags from here,
+never from each other, so that each chapter stands on its own over one shim:
+
+* ``AVAILABLE``: Triton is installed (Linux wheels); elsewhere ``triton`` is a
+  stand-in whose kernels are defined but never launched, and every fast path falls
+  back loudly to the reference;
+* ``INTERPRET``: Triton's CPU interpreter is on (``TRITON_INTERPRET=1`` before the
+  kernels were decorated); CPU tensors can then run the Triton kernels;
+* ``gluon``, ``gl``: Triton's Gluon dialect where this Triton is a version the Gluon
+  kernels were validated on (``GLUON_VALIDATED``), else None, with ``GLUON_REASON``;
+* :func:`why_not_triton`: why a Triton kernel cannot run on a device, or None.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # no Triton wheels on this platform: reference paths only
+    from . import _no_triton as triton
+
+    tl = triton.language
+    AVAILABLE = False
+
+__all__ = [
+    "AVAILABLE",
+    "GLUON_REASON",
+    "GLUON_VALIDATED",
+    "INTERPRET",
+    "TensorDescriptor",
+    "gl",
+    "gluon",
+    "tl",
+    "triton",
+    "why_not_triton",
+]
+
+#: Triton kernels run on CPU tensors only when decorated under the interpreter.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+#: Triton releases whose Gluon internals (layouts, ``warp_specialize``, the FMA dot
+#: builtin) the Gluon kernels were built and tested on. Another release runs the
+#: Triton kernels instead, and says so once (``GLUON_REASON``).
+GLUON_VALIDATED = ("3.6",)
+
+gluon = gl = None
+GLUON_REASON: str | None = "Triton is not installed on this platform"
+TensorDescriptor = None  # host-side tensor descriptors (Triton >= 3.4)
+if AVAILABLE:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        pass
+    version = ".".join(triton.__version__.split(".")[:2])
+    if version not in GLUON_VALIDATED:
+        GLUON_REASON = (
+            f"Triton {triton.__version__}: the Gluon kernels are validated on "
+            f"{', '.join(GLUON_VALIDATED)} only"
+        )
+    elif INTERPRET:
+        GLUON_REASON = "Gluon does not run in Triton's CPU interpreter"
+    else:
+        try:
+            from triton.experimental import gluon
+            from triton.experimental.gluon import language as gl
+
+            GLUON_REASON = None
+        except ImportError:
+            GLUON_REASON = f"Triton {triton.__version__} has no Gluon"
+
+
+def why_not_triton(device_type: str) -> str | None:
+    """Why a Triton kernel cannot run on ``device_type`` here, or None."""
+    if not AVAILABLE:
+        return "Triton is not installed on this platform"
+    if device_type == "cpu" and not INTERPRET:
+        return (
+            "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"
+        )
+    if device_type not in ("cpu", "cuda"):
+        return f"device {device_type} is not supported"
+    return None
