@@ -21,7 +21,17 @@ from .zonal import zonal_scatter
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):  # the ASE calculator imports ASE's machinery on first use
+    if name == "ECECalculator":
+        from .calculator import ECECalculator
+
+        return ECECalculator
+    raise AttributeError(f"module 'ecekern' has no attribute {name!r}")
+
+
 __all__ = [
+    "ECECalculator",
     "ECEConfig",
     "ECEModel",
     "EquivariantLinear",
