@@ -25,8 +25,10 @@ def diamond(repeats: int = 4, rattle: float = 0.05, seed: int = 0):
 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    if not rattle >= 0:
-        raise ValueError(f"rattle must be >= 0, got {rattle!r}")
+    if isinstance(rattle, bool) or not (
+        isinstance(rattle, (int, float, np.floating)) and 0 <= rattle < np.inf
+    ):
+        raise ValueError(f"rattle must be a finite number >= 0 (A), got {rattle!r}")
     atoms = bulk("C", "diamond", a=DIAMOND_A, cubic=True).repeat(repeats)
     rng = np.random.default_rng(seed)
     atoms.positions = atoms.positions + rng.normal(

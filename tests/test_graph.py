@@ -51,6 +51,26 @@ def _cells():
         2.9,
     )
     yield (
+        "slab with a zero non-periodic cell vector",
+        Atoms(
+            "C6",
+            positions=rng.random((6, 3)) * 4,
+            cell=[[4.0, 0, 0], [1.5, 3.5, 0], [0, 0, 0]],
+            pbc=[True, True, False],
+        ),
+        3.1,
+    )
+    yield (
+        "skewed wire: only y periodic, other vectors zero",
+        Atoms(
+            "C6",
+            positions=rng.random((6, 3)) * 4,
+            cell=[[0, 0, 0], [0.3, 2.9, 0.4], [0, 0, 0]],
+            pbc=[False, True, False],
+        ),
+        3.1,
+    )
+    yield (
         "molecule, no cell",
         Atoms("C7", positions=rng.random((7, 3)) * 3, pbc=False),
         2.5,
@@ -139,8 +159,36 @@ def test_standard_systems():
         ((torch.zeros(4, 3), torch.eye(3), True, -1.0), ValueError),
         ((torch.full((4, 3), float("nan")), torch.eye(3), True, 2.0), ValueError),
         (("positions", torch.eye(3), True, 2.0), TypeError),
+        ((torch.rand(4, 3), torch.eye(3) * float("nan"), True, 2.0), ValueError),
+        ((torch.rand(4, 3), torch.eye(3) * float("inf"), False, 2.0), ValueError),
+        ((torch.rand(4, 3), torch.eye(3), "off", 2.0), TypeError),
+        ((torch.rand(4, 3), torch.eye(3), True, 0.01), ValueError),
+        ((torch.rand(4, 3), torch.eye(3), True, None), TypeError),
+        ((torch.zeros(2, 3), torch.eye(3) * 4, False, 2.0), ValueError),  # overlap
+        (
+            (
+                torch.rand(4, 3),
+                torch.tensor([[1.0, 0, 0], [2, 0, 0], [0, 0, 1]]),
+                True,
+                2,
+            ),
+            ValueError,
+        ),  # singular: two parallel periodic vectors
     ],
 )
 def test_bad_inputs(args, err):
     with pytest.raises(err):
         ecekern.neighbor_list(*args)
+    with pytest.raises(err):
+        build_graph(*args)
+
+
+def test_checks_do_not_refuse_a_large_system():
+    """The search estimates (edges, cells and pairs checked) pass a 4096-atom box
+    and a 3,000-atom molecule with room to spare."""
+    atoms = ecekern.systems.diamond(8)
+    src, _, _ = ecekern.neighbor_list(atoms.positions, atoms.cell.array, True, 5.0)
+    assert 360_000 < len(src) < 370_000
+    blob = atoms.positions[:3000] + 50.0
+    src, _, _ = ecekern.neighbor_list(blob, np.zeros((3, 3)), False, 5.0)
+    assert len(src) > 100_000

@@ -1,3 +1,5 @@
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -154,11 +156,19 @@ def test_parameters_are_seeded():
 
 
 def test_float32_agrees_with_float64(box):
+    """energy_and_forces computes in the model's dtype and never converts the model."""
     model = _model()
     e64, f64 = ecekern.energy_and_forces(model, box)
-    e32, f32 = ecekern.energy_and_forces(model, box, dtype=torch.float32)
-    assert e32.dtype == torch.float32
+    assert e64.dtype == f64.dtype == torch.float64
+    model32 = ecekern.ECEModel(SMALL)  # built in float32: the same parameters
+    e32, f32 = ecekern.energy_and_forces(model32, box)
+    assert e32.dtype == f32.dtype == torch.float32
     assert rel_err(e32, e64) < 1e-5 and rel_err(f32, f64) < 1e-3
+    e, _ = ecekern.energy_and_forces(model, box, dtype=torch.float64, device="cpu")
+    assert torch.equal(e, e64)
+    with pytest.raises(TypeError, match=r"model\.to\(torch\.float32\)"):
+        ecekern.energy_and_forces(model, box, dtype=torch.float32)
+    assert next(model.parameters()).dtype == torch.float64  # left as it was
 
 
 def test_bad_inputs(box):
@@ -189,28 +199,42 @@ def test_bad_inputs(box):
             ecekern.ECEConfig(**bad)
 
 
-def test_fast_path_request_falls_back_loudly(box):
+def test_options_name_only_chapters_that_exist_and_default_to_fast_paths(box):
+    """On a CPU the defaults are the reference (bit for bit the same as asking for
+    it); an option for a chapter that has not landed does not exist."""
+    from ecekern import options
+
+    assert options.current() == options.Options()
+    assert options.Options() == options.Options(
+        reference=False, linear="auto", zonal="auto"
+    )
     model = _model()
-    ecekern.options.reset_fallback_warnings()
-    with ecekern.options.use(edge_cohorts=True):
-        with pytest.warns(ecekern.options.FallbackWarning, match="not built"):
-            e, _ = ecekern.energy_and_forces(model, box)
-    e_ref, _ = ecekern.energy_and_forces(model, box)
-    assert rel_err(e, e_ref) == 0
+    e, f = ecekern.energy_and_forces(model, box)
+    with options.use(reference=True):
+        e_ref, f_ref = ecekern.energy_and_forces(model, box)
+    assert torch.equal(e, e_ref) and torch.equal(f, f_ref)
+    for name in ("edge_cohorts", "packed_d", "sync_free_unpack", "interpret"):
+        with pytest.raises(TypeError):
+            options.Options(**{name: True})
 
 
 def test_options_environment_override(monkeypatch):
     from ecekern import options
 
-    monkeypatch.setenv("ECEKERN_FUSED_SCATTER", "1")
+    monkeypatch.setenv("ECEKERN_ZONAL", "fused")
     monkeypatch.setenv("ECEKERN_LINEAR", "dense")
+    monkeypatch.setenv("ECEKERN_REFERENCE", "1")
     o = options._from_environment(options.Options())
-    assert o.fused_scatter is True and o.linear == "dense"
-    monkeypatch.setenv("ECEKERN_PACKED_D", "maybe")
+    assert o == options.Options(reference=True, linear="dense", zonal="fused")
+    monkeypatch.setenv("ECEKERN_REFERENCE", "maybe")
     with pytest.raises(ValueError):
         options._from_environment(options.Options())
     with pytest.raises(ValueError):
         options.Options(linear="fast")
+    with pytest.raises(ValueError):
+        options.Options(zonal="on")
+    with pytest.raises(TypeError):
+        options.Options(reference="yes")
 
 
 @pytest.mark.gpu
@@ -218,11 +242,14 @@ def test_cuda_agrees_with_cpu_float64():
     atoms = ecekern.systems.diamond(2, seed=5)
     model = _model(ecekern.ECEConfig())
     e_cpu, f_cpu = ecekern.energy_and_forces(model, atoms)
-    e_gpu, f_gpu = ecekern.energy_and_forces(model, atoms, device="cuda")
+    with pytest.raises(ValueError, match="model.to"):  # the model is not moved
+        ecekern.energy_and_forces(model, atoms, device="cuda")
+    gpu = copy.deepcopy(model).cuda()
+    e_gpu, f_gpu = ecekern.energy_and_forces(gpu, atoms, device="cuda")
     assert e_gpu.device.type == "cuda"
     assert rel_err(e_gpu, e_cpu) < 1e-12 and rel_err(f_gpu, f_cpu) < 1e-10
     e32, f32 = ecekern.energy_and_forces(
-        model, atoms, dtype=torch.float32, device="cuda"
+        gpu.float(), atoms, dtype=torch.float32, device="cuda"
     )
     assert rel_err(e32, e_cpu) < 1e-4 and rel_err(f32, f_cpu) < 1e-2
 
@@ -283,7 +310,7 @@ w = torch.randn(2, 5, 4, dtype=torch.float64)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     linear.equivariant_linear(x, x, w, None, path="triton")
-    with options.use(fused_scatter=True):
+    with options.use(zonal="fused"):
         ecekern.energy_and_forces(model, atoms)
 msgs = [str(c.message) for c in caught]
 assert sum("Triton is not installed" in m for m in msgs) == 2, msgs
