@@ -1,12 +1,15 @@
+import csv
 import json
 
 import pytest
 
 from ecekern import captures
 
+INTERPRET = __import__("ecekern._triton")._triton.INTERPRET
+
 
 def test_committed_captures_load_and_have_provenance():
-    for chapter in ("methodology", "01_einsum_reference", "05_fused_scatter"):
+    for chapter in ("methodology", "01_reference", "05_zonal"):
         cap = captures.load(chapter)
         prov = cap.manifest["provenance"]
         assert prov["device"] and prov["commit"] and prov["date"]
@@ -27,8 +30,17 @@ def test_ceilings_are_plausible_for_the_h200():
 def test_progress_rows_come_from_the_chapter_captures():
     rows = captures.progress_rows()
     assert {r["n_atoms"] for r in rows} == {512, 4096}
-    assert any(r["chapter"].startswith("1.") for r in rows)
     assert all(r["step_ms"] > 0 for r in rows)
+    assert all(r["system"] == r["chapter"] for r in rows)
+    for r in rows:  # the reference's own ratio is 1
+        if r["system"] in ("reference", "1. einsum reference"):
+            assert r["vs_reference"] == pytest.approx(1.0)
+    if "progress.csv" in captures.load("01_reference").files():
+        order = [captures.PROGRESS_ROWS.index(r["system"]) for r in rows]
+        keys = [(r["n_atoms"], r["dtype"] != "float32", i) for r, i in zip(rows, order)]
+        assert keys == sorted(keys)
+        return
+    assert any(r["chapter"].startswith("1.") for r in rows)
     assert rows == sorted(
         rows,
         key=lambda r: (
@@ -45,6 +57,59 @@ def test_progress_rows_come_from_the_chapter_captures():
                 for x in rows
                 if x["n_atoms"] == r["n_atoms"]
             )
+
+
+def _write_progress(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"chapter": "01_reference"}))
+    keys = ["system", "n_atoms", "n_edges", "dtype", "step_ms", "peak_mem_MiB"]
+    keys += ["device", "commit", "error"]
+    with (folder / "progress.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in keys})
+
+
+def test_progress_rows_read_the_progress_table(tmp_path):
+    """With chapter 1's progress.csv, the table is that file's rows (failed ones left
+    out) in the table's order, each with its speed-up over the reference and over
+    the fastest peer at the same size and precision."""
+
+    def row(system, n, dtype, ms):
+        return dict(
+            system=system, n_atoms=n, n_edges=10 * n, dtype=dtype, step_ms=ms,
+            peak_mem_MiB=100.0, device="NVIDIA H200", commit="abc",
+        )  # fmt: skip
+
+    rows = [
+        row("library defaults", 512, "float32", 20.0),
+        row("e3nn TP conv (NequIP-style)", 512, "float32", 30.0),
+        row("reference", 512, "float32", 40.0),
+        row("reference + torch.compile", 512, "float32", 25.0),
+        row("reference", 512, "float32+tf32", 32.0),
+        row("library defaults", 512, "float32+tf32", 16.0),
+        row("reference", 4096, "float32", 230.0),
+        dict(system="+ ch2 linear", n_atoms=4096, dtype="float32", error="OOM"),
+    ]
+    _write_progress(tmp_path / "01_reference", rows)
+    got = captures.progress_rows(tmp_path)
+    assert [(r["n_atoms"], r["dtype"], r["system"]) for r in got] == [
+        (512, "float32", "reference"),
+        (512, "float32", "library defaults"),
+        (512, "float32", "reference + torch.compile"),
+        (512, "float32", "e3nn TP conv (NequIP-style)"),
+        (512, "float32+tf32", "reference"),
+        (512, "float32+tf32", "library defaults"),
+        (4096, "float32", "reference"),
+    ]
+    by = {(r["n_atoms"], r["dtype"], r["system"]): r for r in got}
+    defaults = by[(512, "float32", "library defaults")]
+    assert defaults["vs_reference"] == pytest.approx(2.0)
+    assert defaults["vs_fastest_peer"] == pytest.approx(25.0 / 20.0)
+    assert by[(512, "float32+tf32", "library defaults")]["vs_fastest_peer"] is None
+    assert by[(4096, "float32", "reference")]["vs_reference"] == pytest.approx(1.0)
+    assert defaults["chapter"] == "library defaults"
 
 
 def test_ncu_pages_parse():
@@ -71,27 +136,46 @@ def test_load_errors_clearly(tmp_path):
     assert cap.csv("t") == [{"n": 1, "v": 2.5}, {"n": 3, "v": "abc"}]
 
 
-@pytest.mark.skipif(
-    not __import__("ecekern.linear").linear.INTERPRET, reason="CPU smoke test"
-)
-@pytest.mark.parametrize("chapter", ["02_block_diagonal_gemm", "05_fused_scatter"])
-def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkeypatch):
-    """The GPU sweeps, at tiny sizes in the interpreter: every row is written and every
-    fast path agrees with float64 (the same rows, on the H200, lift the CUDA gates)."""
-    import csv
-
-    from ecekern import bench
+def test_registry_is_keyed_by_the_chapter_slugs():
     from ecekern.captures import chapters
+
+    slugs = {"methodology", "01_reference", "02_linear", "05_zonal"}
+    assert set(chapters.REGISTRY) == slugs
+    for slug in chapters.REGISTRY:
+        assert (captures.capture_root() / slug / "manifest.json").is_file()
+
+
+@pytest.fixture
+def quick_timing(monkeypatch):
+    """bench.time_fn with no warm-up and one timed call: the CPU smoke tests."""
+    from ecekern import bench
 
     real = bench.time_fn
     monkeypatch.setattr(
         bench, "time_fn", lambda fn, **kw: real(fn, warmup_ms=0, rep_ms=0, min_reps=1)
     )
+
+
+def _rows(path):
+    return list(csv.DictReader(path.open()))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
+@pytest.mark.parametrize("chapter", ["02_linear", "05_zonal"])
+def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, quick_timing):
+    """The GPU sweeps, at tiny sizes in the interpreter: every row is written and every
+    fast path agrees with float64 (the same rows, on the H200, lift the CUDA gates);
+    the launch sweep times its launches and reports the fastest per group."""
+    from ecekern.captures import chapters
+
     info = chapters.REGISTRY[chapter](tmp_path, quick=True, ncu=False)
-    info = {k: v for k, v in info.items() if k not in ("parts", "config")}
-    assert info in ({}, {"model_steps": "skipped: no GPU"})
-    (csv_path,) = tmp_path.glob("*.csv")
-    rows = list(csv.DictReader(csv_path.open()))
+    assert sorted(p.name for p in tmp_path.glob("*.csv")) == (
+        ["launch_sweep.csv", "linear_sweep.csv"]
+        if chapter == "02_linear"
+        else ["launch_sweep.csv", "scatter_sweep.csv"]
+    )
+    sweep = "linear_sweep" if chapter == "02_linear" else "scatter_sweep"
+    rows = _rows(tmp_path / f"{sweep}.csv")
     assert all("error" not in r or not r["error"] for r in rows)
     key = "path" if chapter.startswith("02") else "op"
     assert {r[key] for r in rows} == (
@@ -101,10 +185,155 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, monkey
         tol = 2e-2 if r["dtype"].startswith("bfloat16") else 1e-5
         assert float(r["rel_err_vs_fp64"]) < tol, r
         assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0
+    launch = _rows(tmp_path / "launch_sweep.csv")
+    assert launch and all(not r.get("error") for r in launch)
+    assert all(float(r["time_ms"]) > 0 for r in launch)
+    if chapter == "02_linear":  # the Triton kernel's launches in each precision
+        assert {r["dtype"] for r in launch} == {"float32", "float32+tf32", "bfloat16"}
+        assert set(info["launch"]) == {"float32", "float32+tf32", "bfloat16"}
+        assert set(info["launch_json"]["float32"]) >= {"kernel", "block_b", "stages"}
+    else:  # the forward's and the gather's launches, one ZonalLaunch chosen
+        assert {r["kind"] for r in launch} == {"forward", "backward"}
+        assert info["launch"].startswith("degrees tile=")
+        assert info["model_steps"] == "skipped: no GPU"
+
+
+def test_launch_sweep_keeps_the_fastest_correct_launch_per_group(tmp_path):
+    """The one launch sweep of chapters 2 and 5: a case that raised is a row with its
+    error, a wrong result is a row but never chosen, and the fastest correct case of
+    each group is returned."""
+    import time
+
+    from ecekern.captures.common import LaunchCase, launch_sweep
+
+    def case(group, name, delay, err=0.0, fail=False):
+        keys = {"variant": name}
+        return LaunchCase(group, (delay, err, fail), keys, columns={"E": 1})
+
+    cases = [
+        case("a", "slow", 0.004),
+        case("a", "fast", 0.0),
+        case("a", "wrong", 0.0, err=1.0),
+        case("b", "raises", 0.0, fail=True),
+        case("b", "only", 0.002),
+    ]
+
+    def run(c):
+        delay, err, fail = c.launch
+        if fail:
+            raise RuntimeError("out of resources")
+        time.sleep(delay)
+        return err
+
+    best = launch_sweep(cases, run, lambda c, out: out, tmp_path / "sweep.csv")
+    assert {g: c.keys["variant"] for g, c in best.items()} == {"a": "fast", "b": "only"}
+    rows = _rows(tmp_path / "sweep.csv")
+    assert [r["variant"] for r in rows] == ["slow", "fast", "wrong", "raises", "only"]
+    assert "out of resources" in rows[3]["error"] and not rows[3]["time_ms"]
+    assert rows[0]["E"] == "1" and float(rows[0]["time_ms"]) >= 4.0
+
+
+def test_launches_go_to_nsight_compute_as_json():
+    from ecekern import zonal
+    from ecekern.captures.common import launch_from_json, launch_to_json
+    from ecekern.linear import gluon_fma, gluon_tc, triton_modes
+
+    for kernel, launch in (
+        ("triton", triton_modes.TritonLaunch(32, 16, 32, 4, 1, prefetch=True)),
+        ("fma", gluon_fma.FmaLaunch("4x8", None)),
+        ("tc", gluon_tc.Launch(64, 2, 2, 216)),
+        ("zonal", zonal.ZonalLaunch(fwd_stages=3)),
+    ):
+        d = json.loads(json.dumps(launch_to_json(kernel, launch)))
+        assert launch_from_json(d) == (kernel, launch)
+
+
+def test_stage_times_attribute_the_backward_to_the_stages(float64_default):
+    """The backward's autograd nodes go to the stage whose forward made them (by the
+    profiler's sequence numbers): every stage with a backward gets time, and the
+    stages add up to what the profile saw."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import ecekern
+    from ecekern import options
+    from ecekern.captures.stages import OUTSIDE, cpu_us, stage_times
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, cutoff=3.0)
+    model = ecekern.ECEModel(cfg)
+    inputs = prepare_inputs(ecekern.systems.diamond(1), cfg.cutoff)
+    with options.use(reference=True):
+        force_step(model, *inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            force_step(model, *inputs)
+    events = prof.events()
+    times = stage_times(events, cpu_us)
+    assert list(times)[:3] == ["geometry", "edge_frames", "gie"]
+    assert list(times)[-1] == OUTSIDE
+    for stage in ("geometry", "gie", "rotate_and_select", "mixing_stack", "aggregate"):
+        fwd, bwd = times[stage]
+        assert fwd > 0 and bwd > 0, (stage, fwd, bwd)
+    assert times["readout"][0] > 0
+    top = [e for e in events if e.cpu_parent is None]
+    total_ms = sum(e.cpu_time_total for e in top) / 1e3
+    counted = sum(f + b for f, b in times.values())
+    assert counted == pytest.approx(total_ms, rel=1e-6)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
+def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
+    """Chapter 1's progress part on a tiny model and box: every eager row in the
+    table's order, both precisions, the stages of the reference and the defaults;
+    with no time left the compiled rows are skipped and say so, and the loader reads
+    the table back with its ratios."""
+    import ecekern
+    from ecekern.captures import progress
+
+    cfg = ecekern.ECEConfig(
+        lmax=1, channels=4, n_gated=1, n_interactions=1, cutoff=3.0,
+        radial_hidden=8, readout_hidden=8,
+    )  # fmt: skip
+    out = tmp_path / "01_reference"
+    out.mkdir()
+    info = progress.capture(out, [1], budget_s=0, dev="cpu", config=cfg)
+    rows = _rows(out / "progress.csv")
+    ours = list(progress.OURS)
+    labels = [r["system"] for r in rows]
+    peers = ["e3nn TP conv (NequIP-style)"]
+    assert (
+        labels == [*ours, *peers] * 2
+        or labels
+        == [
+            *ours,
+            *peers,
+            "cuEquivariance TP conv (NequIP-style)",
+        ]
+        * 2
+    )
+    assert [r["dtype"] for r in rows] == ["float32"] * (len(rows) // 2) + [
+        "float32+tf32"
+    ] * (len(rows) // 2)
+    for r in rows:
+        assert not r.get("error") and float(r["step_ms"]) > 0 and int(r["reps"]) >= 1
+        assert r["n_atoms"] == "8"
+    ref = rows[0]
+    assert ref["options"].startswith("Options(reference=True")
+    assert rows[2]["zonal"] == "fused" and rows[1]["zonal"] == "reference"
+    assert info["library_defaults"] == repr(ecekern.options.current())
+    for label in progress.COMPILED:
+        assert info[f"progress: {label}, 8 atoms, fp32"].startswith("skipped")
+    stages = _rows(out / "stages.csv")
+    assert {r["system"] for r in stages} == {"reference", "library defaults"}
+    assert {"mixing_stack", "gie", "aggregate"} <= {r["stage"] for r in stages}
+    (out / "manifest.json").write_text(json.dumps({"chapter": "01_reference"}))
+    table = captures.progress_rows(tmp_path)
+    assert [r["system"] for r in table] == labels
+    assert table[0]["vs_reference"] == pytest.approx(1.0)
+    assert all(r["vs_fastest_peer"] > 0 for r in table)
 
 
 def test_parts_are_parsed_and_unknown_parts_rejected():
-    from ecekern.captures.chapters import parse_parts
+    from ecekern.captures.common import parse_parts
 
     known = ("launch", "steps", "sweep")
     assert parse_parts("launch,steps=dense;einsum", known) == {
@@ -116,7 +345,7 @@ def test_parts_are_parsed_and_unknown_parts_rejected():
 
 
 def test_sweep_cells_name_their_precisions():
-    from ecekern.captures.chapters import sweep_cell
+    from ecekern.captures.linear import sweep_cell
 
     p = {"fp32": 0, "tf32": 1, "bf16": 2}
     every = ["einsum", "dense", "triton"]
@@ -138,7 +367,6 @@ def _offline_sm90(*flags):
     """``python -m ecekern.captures.registers FLAGS`` as parsed JSON, in a process
     without the interpreter (which would replace the kernels by Python functions);
     skips where Triton's NVIDIA tools are missing."""
-    import json
     import os
     import subprocess
     import sys
@@ -172,13 +400,20 @@ def test_register_report_compiles_for_sm90_without_a_gpu():
         assert by[(L, C, "now: tile rule")]["stack_bytes"] <= fixed["stack_bytes"]
 
 
-def test_every_zonal_kernel_variant_compiles_for_sm90():
-    """Every launch variant zonal.CONFIG can select compiles for the H200 (the
-    per-block sums variant once failed there only: the interpreter does not check
-    that both returns of a jit function have one shape)."""
+def test_every_zonal_kernel_compiles_for_sm90():
+    """Both zonal kernels compile for the H200, in fp64 at a fixed launch and in fp32
+    at the library's (the interpreter does not check what the compiler does: that
+    both returns of a jit function have one shape, say; and the forward's per-degree
+    helpers take tuples of arguments)."""
     rows = _offline_sm90("--zonal-variants")
-    assert len(rows) == 5
+    assert [(r["variant"], r["dtype"]) for r in rows] == [
+        ("degrees", "fp64"),
+        ("edge gather", "fp64"),
+        ("degrees", "fp32"),
+        ("edge gather", "fp32"),
+    ]
     assert all(0 < r["registers"] <= 255 for r in rows)
+    assert all(r["launch"].startswith("library") for r in rows[2:])
 
 
 def test_linear_tiles_put_a_warp_on_the_features_not_the_rows():
@@ -195,13 +430,31 @@ def test_linear_tiles_put_a_warp_on_the_features_not_the_rows():
         assert r["threads_per_warp"][1 - rows] == 32, r
 
 
+def test_linear_fp32_kernels_build_for_sm90():
+    """The strict-fp32 forwards (the Triton kernel at ``plan.LAUNCH["fp32"]`` and the
+    Gluon FMA kernel at each tile, capped and not) compile for sm_90 with their
+    instruction mix; uncapped, the FMA kernel keeps every value in registers."""
+    pytest.importorskip("triton.experimental.gluon")
+    rows = _offline_sm90("--linear-fp32")
+    assert rows[0]["kernel"].startswith("Triton") and rows[0]["ffma"] > 0
+    fma = rows[1:]
+    assert {(r["tile"], r["maxnreg"]) for r in fma} == {
+        ("8x4", 168), ("8x4", ""), ("4x8", 168), ("4x8", "")
+    }  # fmt: skip
+    for r in fma:
+        assert r["ffma"] == 1536 and 0 < r["registers"] <= 255
+        if r["maxnreg"] == "":
+            assert r["spill"] == 0 and r["stack_bytes"] == 0, r
+
+
 def test_linear_tc_builds_fit_the_h200_and_bf16_does_not_spill():
-    """linear_tc's forward at the library's launch, compiled for sm_90 with a bias:
+    """gluon_tc's forward at the library's launch, compiled for sm_90 with a bias:
     every build fits the 227 KB of shared memory a program may have, and the bf16
     builds (the ones the library dispatches) keep every value in registers. (Adding
     the bias in the accumulators' layout from global memory once spilled 108
     instructions; two rings of two stages at K = 256 spilled 38: the launch table
     gives that K one consumer.)"""
+    pytest.importorskip("triton.experimental.gluon")
     rows = _offline_sm90("--linear-tc")
     assert {(r["dtype"], r["K"]) for r in rows} == {
         ("bf16", 64), ("bf16", 192), ("bf16", 256), ("fp32", 192)

@@ -4,7 +4,7 @@ A capture folder holds benchmark CSVs (one schema, provenance on every row),
 ``torch.profiler`` tables, Nsight Compute metric CSVs and a ``manifest.json``. One
 command regenerates a chapter's captures on a GPU and packs them as one archive::
 
-    python -m ecekern.captures methodology 01_einsum_reference --out /tmp/caps
+    python -m ecekern.captures methodology 01_reference --out /tmp/caps
 
 The notebooks read captures through :func:`load` and plot them; they never type a
 measured number by hand.
@@ -17,7 +17,16 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["Capture", "capture_root", "load"]
+__all__ = [
+    "PROGRESS_PEERS",
+    "PROGRESS_ROWS",
+    "Capture",
+    "capture_root",
+    "load",
+    "markdown_table",
+    "ncu_kernels",
+    "progress_rows",
+]
 
 
 def capture_root() -> Path:
@@ -61,7 +70,7 @@ class Capture:
 
 
 def load(chapter: str, root: str | os.PathLike | None = None) -> Capture:
-    """The capture of ``chapter`` (e.g. ``"01_einsum_reference"``)."""
+    """The capture of ``chapter`` (e.g. ``"01_reference"``)."""
     return Capture(Path(root) if root else capture_root() / chapter)
 
 
@@ -80,32 +89,104 @@ def markdown_table(
     return "\n".join([head, sep, *body])
 
 
+#: The rows of chapter 1's progress table (``progress.csv``), in the table's order:
+#: our force step after each chapter, the library's defaults, and the peers.
+PROGRESS_ROWS = (
+    "reference",
+    "+ ch2 linear",
+    "+ ch5 zonal",
+    "library defaults",
+    "reference + torch.compile",
+    "e3nn TP conv (NequIP-style)",
+    "cuEquivariance TP conv (NequIP-style)",
+    "library defaults + torch.compile",
+)
+#: The progress table's peers: what a user would reach for instead of this library.
+PROGRESS_PEERS = (
+    "reference + torch.compile",
+    "e3nn TP conv (NequIP-style)",
+    "cuEquivariance TP conv (NequIP-style)",
+)
+_PROGRESS_KEYS = (
+    "n_atoms",
+    "n_edges",
+    "dtype",
+    "step_ms",
+    "peak_mem_MiB",
+    "device",
+    "commit",
+)
+
+
+def _with_ratios(rows: list[dict], is_reference, is_peer) -> list[dict]:
+    """Each row with ``vs_reference`` (the reference's step time over this row's, at
+    the same size and precision: above 1 is faster) and ``vs_fastest_peer`` (the
+    fastest peer's over this row's; None where no peer was measured)."""
+    for r in rows:
+        same = [
+            x for x in rows if (x["n_atoms"], x["dtype"]) == (r["n_atoms"], r["dtype"])
+        ]
+        ref = [x["step_ms"] for x in same if is_reference(x)]
+        peers = [x["step_ms"] for x in same if is_peer(x)]
+        r["vs_reference"] = ref[0] / r["step_ms"] if ref else None
+        r["vs_fastest_peer"] = min(peers) / r["step_ms"] if peers else None
+    return rows
+
+
 def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
-    """The progress table: the force step (energy + forces) after each chapter and
-    for the peers, at 512 and 4096 atoms, from the chapters' captures: strict fp32,
-    and where a chapter's win is on the tensor cores, its TF32 row beside the
-    reference's TF32 row (``dtype`` says which)."""
+    """The progress table: the force step (energy + forces) after each chapter, the
+    library's defaults and the peers, at 512 and 4096 atoms, strict fp32 and TF32.
+
+    From chapter 1's ``progress.csv`` (one run of every row) where the capture has
+    it: rows in the table's order (:data:`PROGRESS_ROWS`) by size, then precision;
+    rows that failed are left out. Each row: ``system`` (and ``chapter``, the same
+    label), ``n_atoms``, ``n_edges``, ``dtype``, ``step_ms``, ``peak_mem_MiB``,
+    ``vs_reference``, ``vs_fastest_peer``, ``device``, ``commit``. Without it, from
+    the chapters' older captures: strict fp32, and where a chapter's win is on the
+    tensor cores, its TF32 row beside the reference's TF32 row (``dtype`` says
+    which)."""
     base = Path(root) if root else capture_root()
-    rows = []
-    ref = load("01_einsum_reference", base / "01_einsum_reference")
-    peers = ref.csv("peers") if "peers.csv" in ref.files() else []
-    keys = (
-        "n_atoms",
-        "n_edges",
-        "dtype",
-        "step_ms",
-        "peak_mem_MiB",
-        "device",
-        "commit",
+    ref = load("01_reference", base / "01_reference")
+    if "progress.csv" in ref.files():
+        rows = []
+        for r in ref.csv("progress"):
+            if r.get("error") or r.get("step_ms") in ("", None):
+                continue
+            label = r["system"]
+            rows.append(
+                {"system": label, "chapter": label}
+                | {k: r.get(k, "") for k in _PROGRESS_KEYS}
+            )
+
+        def order(r):
+            known = r["system"] in PROGRESS_ROWS
+            i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
+            return (r["n_atoms"], r["dtype"] != "float32", i)
+
+        return _with_ratios(
+            sorted(rows, key=order),
+            lambda r: r["system"] == "reference",
+            lambda r: r["system"] in PROGRESS_PEERS,
+        )
+    return _with_ratios(
+        _progress_rows_before(base, ref),
+        lambda r: r["chapter"] == "1. einsum reference",
+        lambda r: r["chapter"].startswith("peer: "),
     )
+
+
+def _progress_rows_before(base: Path, ref: Capture) -> list[dict]:
+    """The progress table from the chapters' own captures (before progress.csv)."""
+    rows = []
+    peers = ref.csv("peers") if "peers.csv" in ref.files() else []
     for r in ref.csv("force_step") + peers:
         if r["dtype"] != "float32":
             continue
         label = {"reference": "1. einsum reference"}.get(
             r["model"], "peer: " + r["model"]
         )
-        rows.append({"chapter": label, **{k: r[k] for k in keys}})
-    p2 = base / "02_block_diagonal_gemm"
+        rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
+    p2 = base / "02_linear"
     if (p2 / "model_steps.csv").exists():
         labels = {
             ("dense", "float32"): "2. dense block-diagonal GEMM",
@@ -113,16 +194,18 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
             ("einsum", "float32+tf32"): "1. einsum reference",
             ("dense", "float32+tf32"): "2. dense block-diagonal GEMM (auto)",
         }
-        for r in load("02_block_diagonal_gemm", p2).csv("model_steps"):
+        for r in load("02_linear", p2).csv("model_steps"):
             label = labels.get((r["path"], r["dtype"]))
             if label:
-                rows.append({"chapter": label, **{k: r[k] for k in keys}})
-    p5 = base / "05_fused_scatter"
+                rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
+    p5 = base / "05_zonal"
     if (p5 / "model_steps.csv").exists():
-        for r in load("05_fused_scatter", p5).csv("model_steps"):
+        for r in load("05_zonal", p5).csv("model_steps"):
             if r["kind"] == "force step" and r["scatter"] == "fused":
                 label = "5. fused zonal scatter (on the reference)"
-                rows.append({"chapter": label, **{k: r[k] for k in keys}})
+                rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
+    for r in rows:
+        r["system"] = r["chapter"]
     return sorted(
         rows,
         key=lambda r: (

@@ -1,8 +1,10 @@
-"""``python -m ecekern.captures CHAPTER [CHAPTER ...] --out DIR [--quick]``.
+"""``python -m ecekern.captures CHAPTER [CHAPTER ...] --out DIR [--quick] [--parts P]``.
 
 Runs each chapter's capture on the GPU, writes ``DIR/<chapter>/`` (CSVs, profiler
 tables, ncu metrics, ``manifest.json``) and packs everything as
-``DIR/captures.tar.gz``: copy it back and unpack it into ``book/captures``.
+``DIR/captures.tar.gz``: copy it back and unpack it into ``book/captures``. The
+chapters are those of :data:`ecekern.captures.chapters.REGISTRY`; ``--parts`` picks
+some of a chapter's parts (``01_reference --parts progress``: the progress table).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--no-ncu", action="store_true")
     ap.add_argument(
-        "--parts", default=None, help="chapter-1 or chapter-5 parts, comma-separated"
+        "--parts",
+        default=None,
+        help="the chapter's parts, comma-separated (e.g. 01_reference: progress)",
     )
     ap.add_argument("--boxes", default=None, help="chapter-1 diamond repeats, e.g. 4,8")
     args = ap.parse_args(argv)

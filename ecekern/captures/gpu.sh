@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, with `.whl` carried:
 #   bash ecekern/captures/gpu.sh [--quick] [chapters...]
-# installs the carried wheels, runs the GPU tests, then the captures; everything
-# that should come back is written under $OUT (captures as one archive).
+# installs the carried wheels (and cuEquivariance from .whl/cueq where carried: the
+# peer of chapter 1), runs the GPU tests, then the captures; everything that should
+# come back is written under $OUT (captures as one archive). Chapters by slug:
+# methodology 01_reference 02_linear 05_zonal. Environment: PARTS (the chapters'
+# --parts, e.g. PARTS=progress for chapter 1's progress table), TEST_TIMEOUT
+# (seconds for the tests, 300), RUN_TESTS=0 to skip them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
-  || exit 1
+mkdir -p "$OUT" .site
+shopt -s nullglob
+wheels=(.whl/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site \
+    "${wheels[@]}" || exit 1
+fi
+cueq=(.whl/cueq/*.whl)
+if [ ${#cueq[@]} -gt 0 ]; then
+  if [ -f .whl/cueq/cueq-ops.tar.xz ]; then tar -xJf .whl/cueq/cueq-ops.tar.xz -C .site; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site \
+    "${cueq[@]}" || echo "cuEquivariance not installed: its peer rows are skipped"
+fi
+shopt -u nullglob
 export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 ECEKERN_COMMIT=${ECEKERN_COMMIT:-unknown}
 quick=""
 if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
-chapters=${*:-methodology 01_einsum_reference}
+chapters=${*:-methodology 01_reference}
+parts=()
+if [ -n "${PARTS:-}" ]; then parts=(--parts "$PARTS"); fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-# the tests compile many kernel variants on first use: bound them so captures still run
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings \
-  --durations=10 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-python3 -m ecekern.captures $chapters --out /tmp/caps $quick 2>&1 | tee "$OUT/captures.log"
+if [ "${RUN_TESTS:-1}" != 0 ]; then
+  # the tests compile many kernel variants on first use: bound them so captures run
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
+    -p no:warnings --durations=10 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
+# shellcheck disable=SC2086
+python3 -m ecekern.captures $chapters --out /tmp/caps $quick "${parts[@]}" 2>&1 \
+  | tee "$OUT/captures.log"
 cp /tmp/caps/captures.tar.gz "$OUT/"

@@ -7,9 +7,10 @@ a per-thread stack in local memory (DRAM behind L1), which is what turns a regis
 tile that is too large into a slow kernel.
 
     python -m ecekern.captures.registers      # the zonal backward's launches, JSON
-    python -m ecekern.captures.registers --zonal-variants   # every zonal variant
+    python -m ecekern.captures.registers --zonal-variants   # every zonal kernel
     python -m ecekern.captures.registers --linear-layouts   # chapter 2's tile layouts
     python -m ecekern.captures.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
+    python -m ecekern.captures.registers --linear-tc   # the tensor-core kernel
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -130,22 +131,23 @@ def memory_layouts(
 
 
 def linear_layouts(block=(16, 32, 64), num_warps: int = 4) -> list[dict]:
-    """The global loads and stores of ``linear._eqlin_fwd_kernel`` (strided loads,
-    n_ang = 3, bf16, contiguous x and y: their mode stride is the constant 1 the JIT
-    specialises on), at a tile whose rows axis (``BLOCK_B``, the last axis of every
-    tile of x and y) has a size of its own."""
-    from .. import linear
+    """The global loads and stores of ``triton_modes._eqlin_fwd_kernel`` (strided
+    loads, n_ang = 3, bf16, contiguous x and y: their mode stride is the constant 1
+    the JIT specialises on), at a tile whose rows axis (``BLOCK_B``, the last axis of
+    every tile of x and y) has a size of its own."""
+    from ..linear import triton_modes
 
     tl = triton.language
     BB, BK, BO = block
-    types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    names = ("x_ptr", "w_ptr", "w_desc", "b_ptr", "y_ptr")
+    types = {n: "*bf16" for n in names}  # no descriptor (W_DESC 0): w stands in
     const = dict(
         N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=BB, BLOCK_K=BK, BLOCK_O=BO,
-        PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32, SPLIT=False,
-        PREFETCH=False, STORE3=False, W_DESC=0,
+        PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32,
+        PREFETCH=False, STORE3=False, W_DESC=0, JOIN=False,
         stride_x_m=1, stride_y_m=1, stride_w_k=1,
     )  # fmt: skip
-    return memory_layouts(linear._eqlin_fwd_kernel, types, const, num_warps)
+    return memory_layouts(triton_modes._eqlin_fwd_kernel, types, const, num_warps)
 
 
 def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
@@ -154,7 +156,7 @@ def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
 
     k = zonal._zonal_gather_kernel
     types = {n: "*fp32" for n in k.arg_names if n.endswith("_ptr")}
-    types.update(dst_ptr="*i64", l_idx_ptr="*i32", scale_hi="fp32", scale_lo="fp32")
+    types.update(dst_ptr="*i64", scale_hi="fp32", scale_lo="fp32")
     const = {
         "L": L,
         "S_PAD": triton.next_power_of_2((L + 1) ** 2 - 1),
@@ -172,18 +174,20 @@ FIXED_LAUNCH = (16, 2)
 
 def zonal_table(cases=None) -> list[dict]:
     """The zonal backward at the shapes of chapter 5's sweep: the fixed launch of the
-    first capture against the one the tile rule and ``zonal.CONFIG`` give now."""
+    first capture against the one the tile rule and ``zonal.ZonalLaunch()`` give
+    now."""
     from .. import zonal
 
     cases = cases or [(3, 32), (4, 32), (3, 64), (3, 100)]
+    launch = zonal.ZonalLaunch()
     rows = []
     for L, C in cases:
         S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
         C_PAD = triton.next_power_of_2(C)
-        rule = zonal.edges_per_block(zonal.CONFIG["bwd_tile"], S_PAD, C_PAD)
+        rule = zonal.edges_per_block(launch.bwd_tile, S_PAD, C_PAD)
         launches = (
             ("first capture: fixed BLOCK_E", *FIXED_LAUNCH),
-            ("now: tile rule", rule, zonal.CONFIG["bwd_warps"]),
+            ("now: tile rule", rule, launch.bwd_warps),
         )
         for label, be, warps in launches:
             rows.append(
@@ -194,45 +198,70 @@ def zonal_table(cases=None) -> list[dict]:
 
 
 def zonal_variants(L: int = 3, C: int = 32, dtype: str = "fp64") -> list[dict]:
-    """Every launch variant of the zonal kernels that ``zonal.CONFIG`` can select
-    (degrees forward with per-edge or per-block partial sums, lanes forward, edge and
-    node gathers), compiled for sm_90: the interpreter type-checks less than the
-    compiler does, so a variant that only the interpreter ran may not compile."""
+    """Both zonal kernels (the degrees forward and the edge gather), compiled for
+    sm_90: in ``dtype`` at BLOCK_E 16, two stages of the CSR walk and one warp (the
+    launch the interpreter type-checks less than the compiler: a kernel that only the
+    interpreter ran may not compile), then in fp32 at the library's launch
+    (``zonal.ZonalLaunch()``, the one the model runs)."""
     from .. import zonal
 
     tl = triton.language
-    acc = tl.float64 if dtype == "fp64" else tl.float32
     S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
     C_PAD = triton.next_power_of_2(C)
     D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
-    base = {"C_PAD": C_PAD, "BLOCK_E": 16, "ACC_DTYPE": acc}
-    cases = [
+    degrees = dict(L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], C_PAD=C_PAD)
+    gather = dict(L=L, S_PAD=S_PAD, C_PAD=C_PAD)
+    lib = zonal.ZonalLaunch()
+    be_f = zonal.edges_per_block(lib.fwd_tile, zonal.fwd_rows(L), C_PAD)
+    be_b = zonal.edges_per_block(lib.bwd_tile, S_PAD, C_PAD)
+    fixed = "BLOCK_E 16, 2 stages, 1 warp"
+    fixed_b = "BLOCK_E 16, 1 warp"
+    library = (
+        f"library: BLOCK_E {be_f}, {lib.fwd_stages} stages, {lib.fwd_warps} warp(s)"
+    )
+    cases = [  # (variant, kernel, constexprs, warps, dtype, launch)
         (
-            "degrees, per-edge sums",
+            "degrees",
             zonal._zonal_fwd_degrees_kernel,
-            dict(L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], STAGES=2, ACC_E=16),
+            degrees | dict(BLOCK_E=16, STAGES=2),
+            1,
+            dtype,
+            fixed,
         ),
         (
-            "degrees, per-block sums",
-            zonal._zonal_fwd_degrees_kernel,
-            dict(L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], STAGES=2, ACC_E=1),
+            "edge gather",
+            zonal._zonal_gather_kernel,
+            gather | dict(BLOCK_E=16),
+            1,
+            dtype,
+            fixed_b,
         ),
-        ("lanes", zonal._zonal_fwd_lanes_kernel, dict(S_PAD=S_PAD, STAGES=2)),
-        ("edge gather", zonal._zonal_gather_kernel, dict(L=L, S_PAD=S_PAD)),
         (
-            "node gather",
-            zonal._zonal_gather_node_kernel,
-            dict(L=L, S_PAD=S_PAD, STAGES=2),
+            "degrees",
+            zonal._zonal_fwd_degrees_kernel,
+            degrees | dict(BLOCK_E=be_f, STAGES=lib.fwd_stages),
+            lib.fwd_warps,
+            "fp32",
+            library,
+        ),
+        (
+            "edge gather",
+            zonal._zonal_gather_kernel,
+            gather | dict(BLOCK_E=be_b),
+            lib.bwd_warps,
+            "fp32",
+            f"library: BLOCK_E {be_b}, {lib.bwd_warps} warp(s)",
         ),
     ]
     rows = []
-    for label, kernel, const in cases:
-        types = {n: f"*{dtype}" for n in kernel.arg_names if n.endswith("_ptr")}
+    for label, kernel, const, warps, dt, launch in cases:
+        acc = tl.float64 if dt == "fp64" else tl.float32
+        types = {n: f"*{dt}" for n in kernel.arg_names if n.endswith("_ptr")}
         types.update(row_ptr_ptr="*i64", dst_ptr="*i64")
         types.update(scale_hi="fp32", scale_lo="fp32")
         rows.append(
-            {"variant": label, "L": L, "C": C, "dtype": dtype}
-            | resource_usage(kernel, types, base | const, 1)
+            {"variant": label, "L": L, "C": C, "dtype": dt, "launch": launch}
+            | resource_usage(kernel, types, const | {"ACC_DTYPE": acc}, warps)
         )
     return rows
 
@@ -327,54 +356,51 @@ def _as_jit(kernel, args: dict, constexprs: dict):
 def linear_fp32(E: int = 47_000, F: int = 192) -> list[dict]:
     """Chapter 2's strict-fp32 forwards compiled for sm_90 at the model's shape (x, y
     ``(E, F, 3)`` contiguous, W ``(3, F, F)``): the Triton kernel at its launch
-    (``linear.FP32_TRITON``; Triton chose a 4 x 4 register tile, twice per program)
-    and the Gluon FMA kernel (``ecekern.linear_fma``) at each register tile, with and
-    without its register cap."""
+    (``linear.plan.LAUNCH["fp32"]``; Triton chose a 4 x 4 register tile, twice per
+    program) and the Gluon FMA kernel (``linear.gluon_fma``) at each register tile,
+    with and without its register cap."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .. import linear, linear_fma
+    from ..linear import gluon_fma, plan, triton_modes
 
     tl = triton.language
-    cfg = linear.FP32_TRITON
-    x = {"x_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", "w_ptr": "*fp32"}
+    ln = plan.LAUNCH["fp32"]
+    names = ("x_ptr", "w_ptr", "w_desc", "b_ptr", "y_ptr")
+    x = {n: "*fp32" for n in names}  # no descriptor (W_DESC 0): w stands in
     strides = dict(stride_x_b=3 * F, stride_x_k=3, stride_x_m=1)
     strides |= dict(stride_y_b=3 * F, stride_y_o=3, stride_y_m=1)
     strides |= dict(stride_w_m=F * F, stride_w_o=F, stride_w_k=1)
     const = dict(
-        N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=cfg.block_b, BLOCK_K=cfg.block_k,
-        BLOCK_O=cfg.block_o, PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32,
-        SPLIT=cfg.split, PREFETCH=cfg.prefetch, STORE3=cfg.store3, W_DESC=0,
-        JOIN=cfg.join,
+        N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=ln.block_b, BLOCK_K=ln.block_k,
+        BLOCK_O=ln.block_o, PRECISION="ieee", UPCAST=False, ACC_DTYPE=tl.float32,
+        PREFETCH=ln.prefetch, STORE3=ln.store3, W_DESC=0, JOIN=ln.join,
     )  # fmt: skip
-    sig, c, attrs = _as_jit(
-        linear._eqlin_fwd_kernel, x | strides | {"B": E, "K": F, "O": F}, const
-    )
-    src = ASTSource(
-        fn=linear._eqlin_fwd_kernel, signature=sig, constexprs=c, attrs=attrs
-    )
-    opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    kernel = triton_modes._eqlin_fwd_kernel
+    sig, c, attrs = _as_jit(kernel, x | strides | {"B": E, "K": F, "O": F}, const)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=c, attrs=attrs)
+    opts = {"num_warps": ln.warps, "num_stages": ln.stages}
     compiled = triton.compile(src, target=GPUTarget(*H200), options=opts)
     rows = [
         {"kernel": "Triton (tl.dot on the FMA units)"}
-        | {"tile": _dot_tile(compiled.asm["ttgir"], 32 * cfg.warps)}
+        | {"tile": _dot_tile(compiled.asm["ttgir"], 32 * ln.warps)}
         | {"w": "K contiguous", "maxnreg": ""}
         | _sass_mix(compiled)
     ]
-    k = linear_fma._eqlin_fwd_fma_kernel
-    for tile, (tm, tn, tr) in linear_fma.TILES.items():
-        for cap in (linear_fma.MAXNREG, None):
+    k = gluon_fma._eqlin_fwd_fma_kernel
+    for tile, (tm, tn, tr) in gluon_fma.TILES.items():
+        for cap in (gluon_fma.FmaLaunch().maxnreg, None):
             args = {"x_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32"}
             args |= {"y_ptr": "*fp32", "B": E, "K": F, "O": F, "stride_xb": 3 * F}
             args |= {"stride_wm": F * F, "stride_wk": F, "stride_yb": 3 * F}
             const = dict(
                 HAS_BIAS=True, TM=tm, TN=tn, TR=tr, KS=4, EVEN_K=True,
-                num_warps=linear_fma.WARPS,
+                num_warps=gluon_fma.WARPS,
             )  # fmt: skip
             sig, c, attrs = _as_jit(k, args, const)
             src = GluonASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs)
-            opts = {"num_warps": linear_fma.WARPS} | ({"maxnreg": cap} if cap else {})
+            opts = {"num_warps": gluon_fma.WARPS} | ({"maxnreg": cap} if cap else {})
             rows.append(
-                {"kernel": "Gluon (FMA, ecekern.linear_fma)", "tile": tile}
+                {"kernel": "Gluon (FMA, ecekern.linear.gluon_fma)", "tile": tile}
                 | {"w": "O contiguous", "maxnreg": cap or ""}
                 | _sass_mix(triton.compile(src, target=GPUTarget(*H200), options=opts))
             )
@@ -385,22 +411,23 @@ def linear_tc(
     cases=(("bf16", 64), ("bf16", 192), ("bf16", 256), ("fp32", 192)),
     O: int = 192,
 ) -> list[dict]:
-    """``ecekern.linear_tc``'s forward compiled for sm_90 at the library's launch
-    for each (dtype, K) of ``cases``, with a bias: consumers, stages, registers,
-    spill instructions, shared memory (the H200 gives a program 227 KB) and the
-    static instruction mix. The shared memory and the spills are what a change to
-    the kernel or its launch table most easily breaks without a GPU to notice."""
+    """``ecekern.linear.gluon_tc``'s forward compiled for sm_90 at the library's
+    launch for each (dtype, K) of ``cases`` (``gluon_tc.default_launch``), with a
+    bias: consumers, stages, registers, spill instructions, shared memory (the H200
+    gives a program 227 KB) and the static instruction mix. The shared memory and the
+    spills are what a change to the kernel or its launch table most easily breaks
+    without a GPU to notice."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .. import linear_tc
+    from ..linear import gluon_tc
 
     rows = []
     for dt, K in cases:
         tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
         gdt = {"bf16": gl.bfloat16, "fp32": gl.float32}[dt]
-        bk, ln = linear_tc.BLOCK_K[tdt], linear_tc.launch(tdt, K)
+        bk, ln = gluon_tc.BLOCK_K[tdt], gluon_tc.default_launch(tdt, K)
         box = gl.NVMMASharedLayout.get_default_for([64, bk], gdt)
         desc = f"tensordesc<{dt}[64, {bk}],{box!r}>"
         args = {"x_desc": desc, "w_desc": desc, "p_ptr": f"*{dt}", "b_ptr": f"*{dt}"}
@@ -410,7 +437,7 @@ def linear_tc(
             HAS_BIAS=True, BO=ln.block_o, NKB=K // bk, C=ln.consumers,
             STAGES=ln.stages, CONSUMER_REGS=ln.regs, num_warps=4,
         )  # fmt: skip
-        kernel = linear_tc._eqlin_fwd_tc_kernel
+        kernel = gluon_tc._eqlin_fwd_tc_kernel
         sig, c, attrs = _as_jit(kernel, args, const)
         src = GluonASTSource(fn=kernel, signature=sig, constexprs=c, attrs=attrs)
         compiled = triton.compile(

@@ -1,11 +1,17 @@
 """Programs for Nsight Compute: ``python -m ecekern.captures.targets NAME``.
 
 Each runs its work a few times to warm up, then once more inside the NVTX range
-``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects.
+``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects. The launches a
+capture chose reach a target through this process's environment only
+(``ECEKERN_CAPTURE_LINEAR``, ``ECEKERN_CAPTURE_ZONAL``: JSON of
+:func:`ecekern.captures.common.launch_to_json`); without them each target runs the
+library's own choice.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import torch
@@ -19,6 +25,10 @@ def _in_range(fn, warmup: int = 2):
     fn()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
+
+
+def _launches(name: str, default):
+    return json.loads(os.environ.get(name) or "null") or default
 
 
 def copy():
@@ -35,7 +45,9 @@ def gemm():
 
 
 def force_step(repeats: int = 4):
+    """The reference's force step, strict fp32 (chapter 1)."""
     import ecekern
+    from ecekern import options
     from ecekern.model import force_step as step
     from ecekern.model import prepare_inputs
 
@@ -43,100 +55,104 @@ def force_step(repeats: int = 4):
     inputs = prepare_inputs(
         ecekern.systems.diamond(repeats), model.config.cutoff, torch.float32, "cuda"
     )
-    _in_range(lambda: step(model, *inputs))
+    with options.use(reference=True):
+        _in_range(lambda: step(model, *inputs))
 
 
 def _eqlin_inputs(E: int, F: int, n_ang: int):
-    """``([x_cos, x_sin], w, b)`` on the GPU in strict fp32, TF32 and bf16, with TF32
-    switched on for its turn and off after: the inputs of the EquivariantLinear
-    targets."""
+    """``(label, tf32, [x_cos, x_sin], w, b)`` on the GPU in strict fp32, TF32 and
+    bf16, with TF32 switched on for its turn and off after: the inputs of the
+    EquivariantLinear targets."""
     from ecekern import bench
 
-    for dtype, tf32 in (
-        (torch.float32, False),
-        (torch.float32, True),
-        (torch.bfloat16, False),
+    for label, dtype, tf32 in (
+        ("float32", torch.float32, False),
+        ("float32+tf32", torch.float32, True),
+        ("bfloat16", torch.bfloat16, False),
     ):
         bench.set_tf32(tf32)
         x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
         w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
         b = torch.randn(F, device="cuda", dtype=dtype)
-        yield x, w, b
+        yield label, tf32, x, w, b
     bench.set_tf32(False)
 
 
+def _eqlin_kernel(kernel: str, launch, tf32: bool, w):
+    """``fn(x, b) -> y`` of one kernel at one launch against ``w``, with what the
+    kernel reads prepared here, outside the profiled range."""
+    from ecekern.linear import gluon_fma, gluon_tc, triton_modes
+
+    if kernel == "fma":  # the kernel reads W with O contiguous
+        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)
+        return lambda x, b: gluon_fma.fma_fwd(x, w_o, b, launch)
+    if kernel == "tc":
+        return lambda x, b: gluon_tc.tc_fwd(x, w, b, launch)
+    return lambda x, b: triton_modes.triton_fwd(x, w, b, launch, tf32)
+
+
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
-    """The Triton forward (cos and sin) in strict fp32, TF32 and bf16, each at the
-    capture's chosen launch (``ECEKERN_LINEAR_CONFIG``, by dtype label), then strict
-    fp32 with the Triton kernel that the Gluon FMA kernel replaced."""
-    import json
-    import os
+    """The forward (cos, then sin) in strict fp32, TF32 and bf16, each at the
+    capture's chosen kernel and launch (``ECEKERN_CAPTURE_LINEAR``, by dtype label)
+    or the library's choice, then strict fp32 with the Triton kernel at
+    ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced): the
+    last two kernels."""
+    from ecekern.captures.common import launch_from_json
+    from ecekern.linear import autograd, plan, triton_modes
 
-    from ecekern import bench, linear
-
-    chosen = json.loads(os.environ.get("ECEKERN_LINEAR_CONFIG", "{}"))
-    default = linear._config
-
-    def pick(dtype, kind="fwd"):
-        label = bench.dtype_label(dtype)
-        if kind == "fwd" and label in chosen:
-            return linear.Config(*chosen[label])
-        return default(dtype, kind)
-
-    linear._config = pick
-    for x, w, b in _eqlin_inputs(E, F, n_ang):
-        _in_range(lambda x=x, w=w, b=b: linear._EquivariantLinearFn.apply(*x, w, b))
-    # strict fp32 once more with the Triton kernel (tl.dot on the FMA units), which
-    # the Gluon kernel of ecekern.linear_fma replaced there: the last two kernels
-    linear._config = lambda d, kind="fwd": (
-        linear.FP32_TRITON if kind == "fwd" else default(d, kind)
-    )
+    chosen = _launches("ECEKERN_CAPTURE_LINEAR", {})
+    for label, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
+        if label in chosen:
+            fn = _eqlin_kernel(*launch_from_json(chosen[label]), tf32, w)
+        else:
+            fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
+        _in_range(lambda x=x, b=b, fn=fn: (fn(x[0], b), fn(x[1], None)))
     x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
     w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
     b = torch.randn(F, device="cuda")
-    _in_range(lambda: linear._EquivariantLinearFn.apply(*x, w, b))
+    launch = plan.LAUNCH["fp32"]
+    _in_range(
+        lambda: (
+            triton_modes.triton_fwd(x[0], w, b, launch),
+            triton_modes.triton_fwd(x[1], w, None, launch),
+        )
+    )
 
 
 def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The dense path's forward (cos and sin: the block-diagonal weight's assembly,
     then cuBLAS) in strict fp32, TF32 and bf16, the same inputs as
-    :func:`eqlin_triton`: what the Triton kernel is up against."""
-    from ecekern import linear
+    :func:`eqlin_triton`: what the per-mode kernels are up against."""
+    from ecekern.linear import dense
 
-    for x, w, b in _eqlin_inputs(E, F, n_ang):
-        _in_range(lambda x=x, w=w, b=b: linear._dense(*x, w, b))
+    for _, _, x, w, b in _eqlin_inputs(E, F, n_ang):
+        _in_range(lambda x=x, w=w, b=b: dense.dense(*x, w, b))
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
-    """The gather (backward) and the forward with the capture's chosen launch
-    (``ECEKERN_ZONAL_CONFIG``), then each forward variant at its own best launch
-    (``ECEKERN_ZONAL_NCU_FORWARDS``), all set by the chapter-5 capture."""
-    import json
-    import os
-
+    """The gather (backward), then the forward, at each launch of
+    ``ECEKERN_CAPTURE_ZONAL`` (the capture's fastest, then the library's where they
+    differ), or at the library's launch."""
     from ecekern import zonal
+    from ecekern.captures.common import launch_from_json, launch_to_json
     from ecekern.graph import csr_row_ptr
 
-    zonal.CONFIG.update(json.loads(os.environ.get("ECEKERN_ZONAL_CONFIG", "{}")))
+    default = [launch_to_json("zonal", zonal.ZonalLaunch())]
     N = E // 89
     dst = torch.sort(torch.randint(0, N, (E,), device="cuda")).values
     row_ptr = csr_row_ptr(dst, N)
     Z = torch.randn(E, (L + 1) ** 2 - 1, device="cuda")
     R = torch.randn(E, L, C, device="cuda")
     G = torch.randn(N, (L + 1) ** 2, C, device="cuda")
-    _in_range(lambda: zonal._gather_op(G, Z, R, dst, row_ptr, 0.1))
-    _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
-    forwards = json.loads(os.environ.get("ECEKERN_ZONAL_NCU_FORWARDS", "[]"))
-    for variant, block_e, warps, stages, acc in forwards:
-        tile = block_e * zonal.fwd_rows(variant, L) * C
-        zonal.CONFIG.update(
-            forward=variant,
-            fwd_tile=tile,
-            fwd_warps=warps,
-            fwd_stages=stages,
-            fwd_acc=acc,
+    for d in _launches("ECEKERN_CAPTURE_ZONAL", default):
+        _, ln = launch_from_json(d)
+        _in_range(
+            lambda ln=ln: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=ln)
         )
-        _in_range(lambda: zonal._scatter_op(Z, R, dst, row_ptr, 0.1), warmup=1)
+        _in_range(
+            lambda ln=ln: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=ln),
+            warmup=1,
+        )
 
 
 TARGETS = {

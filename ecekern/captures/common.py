@@ -1,0 +1,362 @@
+"""What the chapters' captures share: Nsight Compute runs, profiler tables, error
+rows, the force-step row, and one launch sweep for every kernel's launch choices.
+
+Nothing here changes the library's state: a launch under test is a dataclass passed to
+the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
+``ZonalLaunch``); an Nsight Compute program gets what it needs through the environment
+of its own process (:func:`run_ncu`'s ``env``), never through this one's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import bench
+
+__all__ = [
+    "LaunchCase",
+    "device",
+    "error_row",
+    "force_row",
+    "free",
+    "launch_from_json",
+    "launch_sweep",
+    "launch_to_json",
+    "parse_parts",
+    "profile_table",
+    "rel_err_gpu",
+    "run_ncu",
+]
+
+NCU_METRICS_BASIC = [
+    "gpu__time_duration.sum",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "lts__t_bytes.sum",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+]
+#: Shared-memory bank conflicts and instruction counts (tried first, dropped if this
+#: ncu does not know them)
+NCU_COUNTERS = [
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "smsp__inst_executed.sum",
+    "smsp__inst_executed_pipe_fma.sum",
+]
+NCU_STALLS = [
+    f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
+    for r in (
+        "long_scoreboard",
+        "short_scoreboard",
+        "mio_throttle",
+        "lg_throttle",
+        "math_pipe_throttle",
+        "barrier",
+        "wait",
+        "not_selected",
+        "selected",
+    )
+]
+
+
+# --------------------------------------------------------------------------------------
+# processes, devices, parts
+# --------------------------------------------------------------------------------------
+def run_ncu(
+    target: str,
+    out_csv: Path,
+    extra: list[str] | None = None,
+    timeout: float = 420,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status.
+
+    ``env``: variables for the profiled process only (the launches a target is to
+    run, as :func:`launch_to_json` writes them); this process's environment is not
+    changed."""
+    status = "ncu not run"
+    for metrics in (
+        NCU_METRICS_BASIC + NCU_STALLS + NCU_COUNTERS,
+        NCU_METRICS_BASIC + NCU_STALLS,
+        NCU_METRICS_BASIC,
+    ):
+        cmd = [
+            "ncu",
+            "--clock-control",
+            "none",
+            "--nvtx",
+            "--nvtx-include",
+            "ece/",
+            "--metrics",
+            ",".join(metrics),
+            "--csv",
+            "--page",
+            "raw",
+            *(extra or []),
+            sys.executable,
+            "-m",
+            "ecekern.captures.targets",
+            target,
+        ]
+        try:
+            p = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env={**os.environ, **(env or {})},
+            )
+        except Exception as exc:  # ncu missing or too slow
+            status = f"ncu failed: {exc!r}"
+            continue
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith('"')]
+        if p.returncode == 0 and len(lines) > 2:
+            out_csv.write_text("\n".join(lines) + "\n")
+            return f"ok ({len(lines) - 2} kernels, {len(metrics)} metrics)"
+        status = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-400:]}"
+    return status
+
+
+def device() -> str:
+    """``cuda`` where there is a GPU; on a CPU the sweeps run as a smoke test."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def free() -> None:
+    """Drop what the last case left behind (a GPU's cached blocks too)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def parse_parts(parts: str, known: tuple[str, ...]) -> dict[str, str]:
+    """``"a,b=arg,c"`` as ``{"a": "", "b": "arg", "c": ""}``; a name that is not one
+    of ``known`` is an error (a typo would otherwise measure nothing)."""
+    todo = dict(p.partition("=")[::2] for p in parts.split(","))
+    unknown = sorted(set(todo) - set(known))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}: choose from {', '.join(known)}")
+    return todo
+
+
+def ceilings() -> dict:
+    """Our measured H200 ceilings from the methodology capture (fallbacks otherwise)."""
+    from . import load
+
+    c = dict(bench.CEILINGS_H200)
+    try:
+        rows = load("methodology").csv("ceilings")
+    except FileNotFoundError:
+        return c
+    c["copy_GBps"] = max(
+        r["rate"] for r in rows if r["kind"] in ("copy", "elementwise")
+    )
+    for r in rows:
+        if r["kind"] == "gemm":
+            c[f"gemm_{r['dtype']}"] = r["rate"]
+    return c
+
+
+# --------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------
+def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` on the device, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def error_row(exc: BaseException, dtype: torch.dtype, **keys) -> dict:
+    """A sweep row for a case that raised (out of resources, say): its keys, the
+    error, and the provenance, so the CSV says what failed and where."""
+    return {**keys, "error": repr(exc)[:300], **bench.provenance(dtype)}
+
+
+def force_row(
+    name: str,
+    model,
+    inputs,
+    dtype: torch.dtype,
+    extra: dict | None = None,
+    rep_ms: float = 400.0,
+    forward: bool = True,
+    key: str = "model",
+) -> dict:
+    """One model's force step (energy + forces) on prepared ``inputs``: its time
+    (median, p10, p90, runs), peak memory and, with ``forward``, the forward alone
+    (no grad) and the backward as the difference."""
+    from ..model import force_step
+
+    pos, numbers, graph = inputs
+    step = lambda: force_step(model, pos, numbers, graph)
+    row: dict = {key: name, "n_atoms": pos.shape[0], "n_edges": graph.n_edges}
+    if forward:
+
+        def fwd():
+            with torch.no_grad():
+                model(pos, numbers, graph)
+
+        t_f = bench.time_fn(fwd, rep_ms=rep_ms)
+        row |= {
+            "forward_ms": t_f.median,
+            "forward_p10_ms": t_f.p10,
+            "forward_p90_ms": t_f.p90,
+        }
+    t_s = bench.time_fn(step, rep_ms=rep_ms, min_reps=5)
+    row |= {"step_ms": t_s.median, "step_p10_ms": t_s.p10, "step_p90_ms": t_s.p90}
+    if forward:
+        row["backward_ms"] = t_s.median - row["forward_ms"]
+    row |= {"peak_mem_MiB": bench.peak_memory(step) / 2**20, "reps": t_s.n}
+    return {**row, **(extra or {}), **bench.provenance(dtype)}
+
+
+def print_row(r: dict, key: str = "model") -> None:
+    print(r[key], r["n_atoms"], r["dtype"], f"{r['step_ms']:.2f} ms", flush=True)
+
+
+def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
+    """torch.profiler over ``iters`` calls: a text table and a CSV of every op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total"
+    (out_dir / f"{stem}_table.txt").write_text(ka.table(sort_by=sort, row_limit=40))
+    rows = []
+    for e in ka:
+        self_dev = getattr(e, "self_device_time_total", None)
+        if self_dev is None:
+            self_dev = e.self_cuda_time_total
+        dev = getattr(e, "device_time_total", None)
+        if dev is None:
+            dev = e.cuda_time_total
+        rows.append(
+            {
+                "name": e.key,
+                "device_type": str(getattr(e, "device_type", "")).split(".")[-1],
+                "calls_per_step": e.count / iters,
+                "self_cuda_ms_per_step": self_dev / 1e3 / iters,
+                "cuda_total_ms_per_step": dev / 1e3 / iters,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / iters,
+            }
+        )
+    rows.sort(key=lambda r: -r["self_cuda_ms_per_step"])
+    bench.write_csv(rows, out_dir / f"{stem}_ops.csv")
+
+
+# --------------------------------------------------------------------------------------
+# launches: one sweep for every kernel, and their hand-over to Nsight Compute
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchCase:
+    """One launch to time: ``launch`` is what the chapter's ``run`` passes to the
+    kernel; the fastest correct case is kept per ``group`` (a precision, a kernel).
+
+    ``keys`` are the row's identifying columns, ``columns`` more of them (sizes, the
+    floor); ``tf32`` is switched on around the case; ``tol`` is the largest relative
+    error against float64 that counts as correct."""
+
+    group: str
+    launch: Any
+    keys: dict
+    dtype: torch.dtype = torch.float32
+    tf32: bool = False
+    tol: float = 1e-5
+    columns: dict = field(default_factory=dict)
+
+
+def launch_sweep(
+    cases: Iterable[LaunchCase],
+    run: Callable[[LaunchCase], Any],
+    check: Callable[[LaunchCase, Any], float],
+    out_csv: Path,
+) -> dict[str, LaunchCase]:
+    """Time every case's ``run(case)`` (its GPU time by CUDA-graph replay,
+    :func:`bench.time_graph`, or where that cannot capture it, or on a CPU,
+    :func:`bench.time_fn`) after ``check(case, output)`` gave its relative error
+    against a float64 truth; write a row per case to ``out_csv`` as it goes (a case
+    that raised is a row with its error). Returns the fastest correct case per
+    group."""
+    rows: list[dict] = []
+    best: dict[str, tuple[float, LaunchCase]] = {}
+    try:
+        for case in cases:
+            bench.set_tf32(case.tf32)
+            fn = lambda case=case: run(case)
+            try:
+                err = check(case, fn())
+                t = bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
+            except Exception as exc:  # out of registers or shared memory, say
+                rows.append(error_row(exc, case.dtype, **case.keys))
+                bench.write_csv(rows, out_csv)
+                continue
+            rows.append(
+                {
+                    **case.keys,
+                    **case.columns,
+                    "time_ms": t.median,
+                    "p10_ms": t.p10,
+                    "p90_ms": t.p90,
+                    "rel_err_vs_fp64": err,
+                    "launch": repr(case.launch),
+                    **bench.provenance(case.dtype),
+                }
+            )
+            if err < case.tol and t.median < best.get(case.group, (float("inf"),))[0]:
+                best[case.group] = (t.median, case)
+            keys = " ".join(f"{v}" for v in case.keys.values())
+            print(case.group, keys, f"{t.median * 1e3:.1f} us err {err:.1e}")
+            bench.write_csv(rows, out_csv)
+    finally:
+        bench.set_tf32(False)
+    return {g: c for g, (_, c) in best.items()}
+
+
+def launch_to_json(kernel: str, launch) -> dict:
+    """A launch dataclass as plain JSON: ``{"kernel": kernel, **its fields}``."""
+    return {"kernel": kernel, **dataclasses.asdict(launch)}
+
+
+def launch_from_json(d: dict) -> tuple[str, Any]:
+    """``(kernel, launch)`` back from :func:`launch_to_json`'s dict: ``triton``
+    (``TritonLaunch``), ``fma`` (``FmaLaunch``), ``tc`` (``gluon_tc.Launch``) or
+    ``zonal`` (``ZonalLaunch``)."""
+    from .. import zonal
+    from ..linear import gluon_fma, gluon_tc, triton_modes
+
+    kinds = {
+        "triton": triton_modes.TritonLaunch,
+        "fma": gluon_fma.FmaLaunch,
+        "tc": gluon_tc.Launch,
+        "zonal": zonal.ZonalLaunch,
+    }
+    d = dict(d)
+    kernel = d.pop("kernel")
+    return kernel, kinds[kernel](**d)
+
+
+def launches_env(name: str, launches) -> dict[str, str]:
+    """``{name: JSON}`` of launches for an Nsight Compute program's environment."""
+    return {name: json.dumps(launches)}

@@ -1,0 +1,408 @@
+"""Chapter 2's capture: EquivariantLinear, einsum vs dense vs the per-mode kernels.
+
+Parts (``parts``, comma-separated):
+
+* ``launch`` -> launch_sweep.csv: every kernel's launch choices at E = 47k, F = 192,
+  n_ang = 3 (one of cos and sin), strict fp32, TF32 and bf16: the Triton kernel's
+  ``TritonLaunch`` variants, the Gluon FMA kernel's register tiles (``FmaLaunch``) and
+  the Gluon tensor-core kernel's ``gluon_tc.Launch``; the fastest per precision is
+  reported (the library's own table is ``linear.plan.LAUNCH``: a human changes it);
+* ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and profile_step_*: the
+  force step with each path, the zonal scatter on the reference;
+* ``ncu`` -> ncu_triton.csv, ncu_dense.csv: the forward of each precision at the
+  launch sweep's fastest launch (the library's choice without ``launch``);
+* ``sweep`` (or ``sweep=E:n_ang;E:n_ang:tf32/bf16``, see :func:`sweep_cell`) ->
+  linear_sweep.csv: forward and forward + backward times against the floor, and the
+  error against float64. The ``triton`` path is called past ``auto``'s choice
+  (``EquivariantLinearFn``): these rows are how that choice is made.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+
+import torch
+
+from .. import bench, options
+from .common import (
+    LaunchCase,
+    ceilings,
+    device,
+    error_row,
+    free,
+    launch_sweep,
+    launch_to_json,
+    launches_env,
+    parse_parts,
+    profile_table,
+    rel_err_gpu,
+    run_ncu,
+)
+
+__all__ = ["PATHS_MEASURED", "capture", "launch_cases", "sweep_cell"]
+
+PARTS = ("launch", "steps", "ncu", "sweep")
+PATHS_MEASURED = ("einsum", "dense", "triton")
+#: The precisions of the sweeps: (dtype, TF32, the GEMM ceiling's key)
+PRECISIONS = {
+    "fp32": (torch.float32, False, "gemm_float32"),
+    "tf32": (torch.float32, True, "gemm_float32+tf32"),
+    "bf16": (torch.bfloat16, False, "gemm_bfloat16"),
+}
+
+
+def capture(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "launch,steps,ncu,sweep",
+    boxes: str | None = None,
+) -> dict:
+    """Chapter 2 (module docstring). On a CPU the launch sweep and the E sweep run
+    at tiny sizes in Triton's interpreter, as a smoke test."""
+    from ..linear import plan
+
+    dev = device()
+    todo = parse_parts(parts, PARTS)
+    info: dict = {"parts": parts}
+    info["library_launch"] = {k: repr(v) for k, v in plan.LAUNCH.items()}
+    if "launch" in todo:
+        chosen = _launch(out, quick, dev)
+        info["launch"] = {
+            k: f"{c.keys['kernel']} {c.keys['variant']}: {c.launch!r}"
+            for k, c in chosen.items()
+        }
+        info["launch_json"] = {
+            k: launch_to_json(c.keys["kernel"], c.launch) for k, c in chosen.items()
+        }
+    if dev == "cuda" and "steps" in todo:
+        paths = tuple(todo["steps"].split(";")) if todo["steps"] else None
+        _model_steps(out, quick, paths or PATHS_MEASURED)
+    if dev == "cuda" and ncu and "ncu" in todo:
+        env = launches_env("ECEKERN_CAPTURE_LINEAR", info.get("launch_json", {}))
+        info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv", env=env)
+        info["ncu_dense"] = run_ncu("eqlin_dense", out / "ncu_dense.csv")
+    if "sweep" in todo:
+        _sweep(out, quick, dev, todo["sweep"])
+    return info
+
+
+# --------------------------------------------------------------------------------------
+# launch sweep
+# --------------------------------------------------------------------------------------
+#: Tiles of the Triton kernel: (BLOCK_B, BLOCK_K, BLOCK_O, warps), the fastest of the
+#: wider tuning runs (history/02_linear)
+TILES = [(64, 64, 64, 4), (64, 32, 64, 4), (32, 64, 64, 4), (32, 32, 64, 4)]
+#: (variant, switches, tiles, stages): the strided loads at one and two stages; then
+#: the next K step prefetched (pre), the modes interleaved in registers for one store
+#: (st3, or built by tl.join: st3j) and W through a tensor descriptor (desc), at two
+#: stages (the descriptor loads of W are pipelined only with two or more)
+TRITON_KINDS = [("strided", {}, TILES[:3], (1, 2))] + [
+    (name, flags, TILES[1:], (2,))
+    for name, flags in (
+        ("pre", {"prefetch": True}),
+        ("pre+st3", {"prefetch": True, "store3": True}),
+        ("pre+desc", {"prefetch": True, "w_desc": True}),
+        ("pre+st3+desc", {"prefetch": True, "store3": True, "w_desc": True}),
+        (
+            "pre+st3j+desc",
+            {"prefetch": True, "store3": True, "w_desc": True, "join": True},
+        ),
+    )
+]
+
+
+def launch_cases(
+    data: dict, E: int, F: int, n_ang: int, quick: bool, dev: str
+) -> list[LaunchCase]:
+    """Every launch of the sweep: ``data`` maps a dtype to ``(x, w, w with O
+    contiguous, bias)`` (the Gluon kernels' conditions are read off them)."""
+    from ..linear import gluon_fma, gluon_tc, triton_modes
+
+    floor = _floor_ms(E, F, n_ang, data)
+    cases = []
+    for dtype, tf32 in (
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.bfloat16, False),
+    ):
+        label = "float32+tf32" if tf32 else str(dtype).replace("torch.", "")
+        tol = 1e-5 if dtype == torch.float32 and not tf32 else 3e-2
+        columns = {"E": E, "floor_bytes_ms": floor[dtype]}
+
+        def case(launch, keys, dtype=dtype, tf32=tf32, tol=tol, label=label, c=columns):
+            return LaunchCase(label, launch, keys, dtype, tf32, tol, c)
+
+        mine = []
+        for name, flags, tiles, stages in TRITON_KINDS:
+            for (bb, bk, bo, warps), st in itertools.product(
+                tiles[:2] if quick else tiles, stages
+            ):
+                launch = triton_modes.TritonLaunch(bb, bk, bo, warps, st, **flags)
+                keys = {"variant": name, "block_b": bb, "block_k": bk}
+                keys |= {"block_o": bo, "warps": warps, "stages": st}
+                mine.append(case(launch, keys | {"kernel": "triton"}))
+        if dev != "cuda":  # the interpreter runs every tile at 16 x 16 x 16: a few
+            mine = mine[:3]
+        x, w, _, _ = data[dtype]
+        # strict fp32: the Gluon kernel on the FMA units, each register tile
+        if gluon_fma.fma_reason(x, w, tf32) is None:
+            for tile, cap in itertools.product(gluon_fma.TILES, (168, None)):
+                keys = {"variant": f"fma{tile}" + ("" if cap else " nocap")}
+                keys |= {"block_b": gluon_fma.BLOCK_B, "block_k": gluon_fma.BLOCK_K}
+                keys |= {"block_o": gluon_fma.BLOCK_O, "warps": gluon_fma.WARPS}
+                keys |= {"stages": 1, "kernel": "fma", "maxnreg": cap or ""}
+                launch = gluon_fma.FmaLaunch(tile, cap)
+                mine.append(case(launch, keys))
+        # bf16 and TF32: the Gluon kernel that splits the modes on the tensor cores
+        if (dtype == torch.bfloat16 or tf32) and gluon_tc.tc_reason(x, w) is None:
+            default = gluon_tc.default_launch(dtype, F)
+            launches = [default]
+            if dtype == torch.bfloat16:
+                launches += [gluon_tc.Launch(64, 1, 2, 0), gluon_tc.Launch(64, 1, 3, 0)]
+            for ln in dict.fromkeys(launches):
+                name = "tc" if ln == default else f"tc c{ln.consumers} s{ln.stages}"
+                # rows in flight per program, its warps: the consumers' and the loader's
+                keys = {"variant": name, "block_b": 64 * ln.consumers}
+                keys |= {"block_k": gluon_tc.BLOCK_K[dtype], "block_o": ln.block_o}
+                keys |= {"warps": 4 * ln.consumers + 1, "stages": ln.stages}
+                keys |= {"kernel": "tc"}
+                mine.append(case(ln, keys))
+        cases += mine
+    return cases
+
+
+def _floor_ms(E, F, n_ang, data) -> dict:
+    from .. import linear
+
+    copy = ceilings()["copy_GBps"]
+    return {
+        dt: linear.traffic(E, F, F, n_ang, x.element_size())["bytes"] / 2 / (copy * 1e6)
+        for dt, (x, *_) in data.items()
+    }
+
+
+def run_launch(case: LaunchCase, data: dict) -> torch.Tensor:
+    """One of cos and sin through the case's kernel at its launch."""
+    from ..linear import gluon_fma, gluon_tc, triton_modes
+
+    x, w, w_o, b = data[case.dtype]
+    kernel = case.keys["kernel"]
+    if kernel == "fma":
+        return gluon_fma.fma_fwd(x, w_o, b, case.launch)
+    if kernel == "tc":
+        return gluon_tc.tc_fwd(x, w, b, case.launch)
+    return triton_modes.triton_fwd(x, w, b, case.launch, case.tf32)
+
+
+def _launch(out: Path, quick: bool, dev: str) -> dict[str, LaunchCase]:
+    """The launch sweep: each case timed and checked against float64."""
+    from .. import reference
+
+    E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
+    if dev != "cuda":
+        E, F = 64, 32
+    g = torch.Generator(device=dev).manual_seed(3)
+    x64 = torch.randn(E, F, n, device=dev, dtype=torch.float64, generator=g)
+    w64 = torch.randn(n, F, F, device=dev, dtype=torch.float64, generator=g) / F**0.5
+    b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
+    truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
+    data = {}
+    for dt in (torch.float32, torch.bfloat16):
+        w = w64.to(dt)
+        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)  # O contiguous
+        data[dt] = (x64.to(dt), w, w_o, b64.to(dt))
+    cases = launch_cases(data, E, F, n, quick, dev)
+    chosen = launch_sweep(
+        cases,
+        run=lambda case: run_launch(case, data),
+        check=lambda case, y: rel_err_gpu(y, truth),
+        out_csv=out / "launch_sweep.csv",
+    )
+    free()
+    return chosen
+
+
+# --------------------------------------------------------------------------------------
+# model steps
+# --------------------------------------------------------------------------------------
+def _count_ops(prof_rows: list[dict], names: tuple[str, ...]) -> dict:
+    return {
+        n: sum(r["calls_per_step"] for r in prof_rows if r["name"] == n) for n in names
+    }
+
+
+def _model_steps(out: Path, quick: bool, paths: tuple[str, ...]) -> None:
+    """The model's force step with each EquivariantLinear path (the zonal scatter on
+    the reference: only the linear changes), strict fp32 and TF32: time, peak memory,
+    and from a profile of each the calls per step of the ops the einsum path brings
+    (copies, bmm) and the GEMMs of the dense path."""
+    import ecekern
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = ecekern.ECEConfig()
+    rows = []
+    for rep in [2] if quick else [4, 8]:
+        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+        inputs = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        n_atoms = inputs[0].shape[0]
+        for tf32, path in itertools.product((False, True), paths):
+            bench.set_tf32(tf32)
+            with options.use(linear=path, zonal="reference"):
+                step = lambda: force_step(model, *inputs)
+                t = bench.time_fn(step, rep_ms=400.0)
+                mem = bench.peak_memory(step)
+                stem = f"profile_step_{n_atoms}_{path}{'_tf32' if tf32 else ''}"
+                profile_table(step, out, stem)
+            with (out / f"{stem}_ops.csv").open() as fh:
+                ops = [
+                    {**r, "calls_per_step": float(r["calls_per_step"])}
+                    for r in csv.DictReader(fh)
+                ]
+            counts = _count_ops(
+                ops, ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm")
+            )
+            rows.append(
+                {
+                    "path": path,
+                    "n_atoms": n_atoms,
+                    "n_edges": inputs[2].n_edges,
+                    "step_ms": t.median,
+                    "step_p10_ms": t.p10,
+                    "step_p90_ms": t.p90,
+                    "reps": t.n,
+                    "peak_mem_MiB": mem / 2**20,
+                    **{f"calls_{k.split('::')[1]}": v for k, v in counts.items()},
+                    **bench.provenance(torch.float32),
+                }
+            )
+            print("step", path, n_atoms, rows[-1]["dtype"], f"{t.median:.2f} ms")
+            bench.write_csv(rows, out / "model_steps.csv")
+        bench.set_tf32(False)
+        model = inputs = None
+        free()
+
+
+# --------------------------------------------------------------------------------------
+# the E sweep
+# --------------------------------------------------------------------------------------
+def sweep_cell(
+    spec: str, precisions, paths=PATHS_MEASURED
+) -> tuple[int, int, list[str], list[str]]:
+    """``"E:n_ang"``, ``"E:n_ang:tf32/bf16"`` (some precisions only) or
+    ``"E:n_ang:tf32/bf16:triton"`` (and some paths only; ``:all:`` for every
+    precision) as ``(E, n_ang, [precision, ...], [path, ...])``."""
+    E, n, *which = spec.split(":")
+    names = which[0].split("/") if which and which[0] != "all" else list(precisions)
+    chosen = which[1].split("/") if len(which) > 1 else list(paths)
+    unknown = [p for p in names if p not in precisions]
+    unknown += [p for p in chosen if p not in paths]
+    if len(which) > 2 or unknown:
+        raise ValueError(
+            f"sweep cell {spec!r}: E:n_ang, E:n_ang:p1/p2 or E:n_ang:p1/p2:path1/path2 "
+            f"with p in {'/'.join(precisions)} (or all), path in {'/'.join(paths)}"
+        )
+    return int(E), int(n), names, chosen
+
+
+def _paths() -> dict:
+    from .. import reference
+    from ..linear import autograd, dense
+
+    def triton(xc, xs, w, b):  # the library's triton path, whatever auto would take
+        return autograd.EquivariantLinearFn.apply(
+            xc, xs, w, b, torch.backends.cuda.matmul.allow_tf32
+        )
+
+    return {
+        "einsum": reference.equivariant_linear,
+        "dense": dense.dense,
+        "triton": triton,
+    }
+
+
+def _sweep(out: Path, quick: bool, dev: str, spec: str) -> None:
+    """Rows of linear_sweep.csv: for each (E, n_ang) cell, fresh inputs, every
+    precision and path."""
+    from .. import linear, reference
+
+    ceil = ceilings()
+    paths = _paths()
+    F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
+    Es = ([4096] if dev == "cuda" else [64]) if quick else [47_000, 365_000]
+    angs = [3] if quick else [2, 3, 4, 5]
+    cells = [(E, n, list(PRECISIONS), list(paths)) for E in Es for n in angs]
+    if spec:
+        cells = [sweep_cell(c, PRECISIONS, tuple(paths)) for c in spec.split(";")]
+    rows: list[dict] = []
+    for E, n_ang, which, cell_paths in cells:
+        g = torch.Generator(device=dev).manual_seed(E + n_ang)
+        x64 = [
+            torch.randn(E, F, n_ang, device=dev, dtype=torch.float64, generator=g)
+            for _ in range(2)
+        ]
+        w64 = torch.randn(n_ang, F, F, device=dev, dtype=torch.float64, generator=g)
+        w64 /= F**0.5
+        b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
+        truth = reference.equivariant_linear(*x64, w64, b64)
+        for dtype, tf32, ceiling in (PRECISIONS[p] for p in which):
+            bench.set_tf32(tf32)
+            xc, xs = (t.to(dtype).requires_grad_() for t in x64)
+            w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
+            args = (xc, xs, w, b)
+            model = linear.traffic(E, F, F, n_ang, xc.element_size())
+            for name in cell_paths:
+                fn = paths[name]
+                try:
+                    y = fn(*args)
+                    err = max(rel_err_gpu(a, t) for a, t in zip(y, truth))
+                    t_f = bench.time_fn(lambda fn=fn, a=args: fn(*a))
+                    gy = [torch.randn_like(t) for t in y]
+
+                    def fwd_bwd(fn=fn, gy=gy, a=args):
+                        torch.autograd.backward(fn(*a), gy)
+
+                    t_fb = bench.time_fn(fwd_bwd)
+                    g_f = bench.time_graph(lambda fn=fn, a=args: fn(*a))
+                except Exception as exc:
+                    rows.append(error_row(exc, dtype, E=E, n_ang=n_ang, path=name))
+                    bench.write_csv(rows, out / "linear_sweep.csv")
+                    continue
+                floor = bench.floor_ms(
+                    model["bytes"], model["flops"], ceil["copy_GBps"], ceil.get(ceiling)
+                )
+                rows.append(
+                    {
+                        "E": E,
+                        "F": F,
+                        "n_ang": n_ang,
+                        "path": name,
+                        "forward_ms": t_f.median,
+                        "forward_p10_ms": t_f.p10,
+                        "forward_p90_ms": t_f.p90,
+                        "fwd_bwd_ms": t_fb.median,
+                        "forward_gpu_ms": g_f.median if g_f else float("nan"),
+                        "bytes": model["bytes"],
+                        "flops": model["flops"],
+                        "floor_ms": floor,
+                        "floor_fraction": floor / t_f.median,
+                        "rel_err_vs_fp64": err,
+                        **bench.provenance(dtype),
+                    }
+                )
+                print(
+                    name,
+                    E,
+                    n_ang,
+                    rows[-1]["dtype"],
+                    f"{t_f.median:.3f} ms",
+                    f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
+                    flush=True,
+                )
+                bench.write_csv(rows, out / "linear_sweep.csv")
+        bench.set_tf32(False)
+        free()

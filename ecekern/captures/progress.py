@@ -1,0 +1,259 @@
+"""Chapter 1's ``progress`` part: the book's cumulative progress table, in one run.
+
+For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each precision
+(strict fp32, fp32 + TF32), the force step (energy and forces) of, in this order:
+
+1. ``reference``: ``options.use(reference=True)``;
+2. ``+ ch2 linear``: ``options.use(linear="auto", zonal="reference")``;
+3. ``+ ch5 zonal``: ``options.use(linear="auto", zonal="fused")``;
+4. ``library defaults``: ``options.use()``, nothing changed (the row records what
+   ``options.current()`` was);
+5. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
+   its time recorded), ``e3nn TP conv (NequIP-style)``, ``cuEquivariance TP conv
+   (NequIP-style)`` (skipped, with the reason in the manifest, where
+   ``cuequivariance_torch`` or its CUDA kernels ``cuequivariance_ops_torch`` do not
+   load: cuet would fall back to its naive path);
+6. ``library defaults + torch.compile``.
+
+Each row: time (median, p10, p90 of at least 5 runs) and peak memory, with its
+provenance; ``progress.csv`` is rewritten after every row, in the table's order, so a
+run stopped by its time limit keeps what it measured. The eager rows run first, both
+boxes and precisions; then ``stages.csv``, the forward and backward time by stage of
+the largest box's reference and defaults (strict fp32, :mod:`.stages`); the compiled
+rows last, strict fp32 first, while the time budget lasts (a compile takes a minute or
+more; each one skipped is said so in the manifest).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .. import bench, options
+from . import PROGRESS_ROWS
+from .common import error_row, force_row, free
+from .reference import peer_models
+from .stages import stage_times
+
+__all__ = ["OURS", "capture"]
+
+#: Our rows: label -> the options they run under (``{}``: the library's defaults).
+OURS = {
+    "reference": {"reference": True},
+    "+ ch2 linear": {"linear": "auto", "zonal": "reference"},
+    "+ ch5 zonal": {"linear": "auto", "zonal": "fused"},
+    "library defaults": {},
+}
+#: The compiled rows: label -> the options their model is compiled and run under.
+COMPILED = {
+    "reference + torch.compile": {"reference": True},
+    "library defaults + torch.compile": {},
+}
+#: Seconds the part may take, compiles included, unless told otherwise.
+BUDGET_S = 330.0
+
+
+def _sort_key(r: dict):
+    label = r["system"]
+    return (
+        r["n_atoms"],
+        r.get("dtype", "") != "float32",
+        PROGRESS_ROWS.index(label) if label in PROGRESS_ROWS else len(PROGRESS_ROWS),
+    )
+
+
+class _Table:
+    """progress.csv, rewritten in the table's order after every row."""
+
+    def __init__(self, path: Path):
+        self.path, self.rows = path, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.rows.sort(key=_sort_key)
+        bench.write_csv(self.rows, self.path)
+        if "step_ms" in row:
+            print(
+                f"progress: {row['system']}, {row['n_atoms']} atoms, {row['dtype']}: "
+                f"{row['step_ms']:.2f} ms, {row['peak_mem_MiB']:.0f} MiB",
+                flush=True,
+            )
+
+
+def _paths(model, inputs) -> dict:
+    """The EquivariantLinear plan and the zonal path the current options give this
+    model's step."""
+    from .. import linear
+
+    pos = inputs[0]
+    try:
+        w = model.interactions[0].gated[0].weight
+        n_ang, _, F = w.shape
+        x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
+        p = linear.plan_of(x, w, options.linear_path())
+        plan = p.path + (f"/{p.kernel}" if p.kernel else "")
+    except (AttributeError, IndexError):
+        plan = ""
+    zonal = "fused" if options.zonal_fused(pos.device.type) else "reference"
+    return {"linear": plan, "zonal": zonal}
+
+
+def _row(table, label, model, inputs, n_atoms, rep_ms, info, extra=None) -> None:
+    """Time one row's force step; a failure is a row with its error (and a line in
+    the manifest)."""
+    dtype = inputs[0].dtype
+    try:
+        row = force_row(
+            label, model, inputs, dtype, extra, rep_ms, forward=False, key="system"
+        )
+    except Exception as exc:
+        key = f"progress: {label}, {n_atoms} atoms, {bench.dtype_label(dtype)}"
+        info[key] = f"failed: {exc!r}"[:500]
+        row = error_row(exc, dtype, system=label, n_atoms=n_atoms)
+    table.add(row)
+
+
+def capture(
+    out: Path,
+    boxes: list[int],
+    quick: bool = False,
+    budget_s: float | None = None,
+    dev: str = "cuda",
+    config=None,
+) -> dict:
+    """Write progress.csv and stages.csv (module docstring); returns the manifest's
+    notes: what failed or was skipped, and the options of the defaults rows.
+    ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
+    smoke test (the tests': a tiny model and box, no compiles with ``budget_s=0``)."""
+    import ecekern
+    from ecekern.model import force_step, prepare_inputs
+
+    t_start = time.time()
+    budget = budget_s if budget_s is not None else BUDGET_S
+    info: dict = {"progress_budget_s": budget}
+    table = _Table(out / "progress.csv")
+    stage_rows: list[dict] = []
+    cfg = config if config is not None else ecekern.ECEConfig()
+    info["progress_config"] = cfg.to_dict()
+    defaults = options.current()
+    if defaults != options.Options():
+        info["library_defaults_note"] = f"the environment changed them: {defaults}"
+    precisions = (False, True)
+
+    def inputs_of(rep):
+        atoms = ecekern.systems.diamond(rep)
+        return prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
+
+    # 1. the eager rows: ours and the peers, every box and precision
+    for rep in boxes:
+        inputs = inputs_of(rep)
+        n = inputs[0].shape[0]
+        rep_ms = 100.0 if n <= 512 else 0.0  # at least 5 runs either way
+        model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
+        peers = list(peer_models(cfg, torch.float32, info, f"{n} atoms", dev))
+        for tf32 in precisions:
+            bench.set_tf32(tf32)
+            try:
+                for label, opts in OURS.items():
+                    with options.use(**opts) as now:
+                        extra = {"options": repr(now), **_paths(model, inputs)}
+                        if label == "library defaults":
+                            info["library_defaults"] = repr(now)
+                        _row(table, label, model, inputs, n, rep_ms, info, extra)
+                    free()
+                for label, peer in peers:
+                    _row(table, label, peer, inputs, n, rep_ms, info)
+                    free()
+            finally:
+                bench.set_tf32(False)
+        # the largest box's time by stage, strict fp32
+        if rep == boxes[-1]:
+            for label in ("reference", "library defaults"):
+                with options.use(**OURS[label]):
+                    step = lambda m=model, i=inputs: force_step(m, *i)
+                    try:
+                        stage_rows += _stages(label, step, n, dev)
+                    except Exception as exc:
+                        info[f"stages: {label}"] = f"failed: {exc!r}"[:500]
+                bench.write_csv(stage_rows, out / "stages.csv")
+                free()
+        model = inputs = peers = None
+        free()
+    # 2. the compiled rows, strict fp32 first, while the budget lasts
+    last_compile = 90.0  # seconds: the reference's first compile on the H200
+    for tf32 in precisions:
+        for rep in boxes:
+            inputs = inputs_of(rep)
+            n = inputs[0].shape[0]
+            rep_ms = 100.0 if n <= 512 else 0.0
+            model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
+            for label, opts in COMPILED.items():
+                key = f"progress: {label}, {n} atoms, {'tf32' if tf32 else 'fp32'}"
+                left = budget - (time.time() - t_start)
+                if left < 1.3 * last_compile + 10:
+                    info[key] = f"skipped: {left:.0f} s of the time budget left"
+                    continue
+                bench.set_tf32(tf32)
+                try:
+                    with options.use(**opts) as now:
+                        torch._dynamo.reset()  # a fresh compile: static shapes
+                        compiled = torch.compile(model)
+                        t0 = time.perf_counter()
+                        force_step(compiled, *inputs)
+                        _sync(dev)
+                        last_compile = time.perf_counter() - t0
+                        extra = {"options": repr(now), **_paths(model, inputs)}
+                        extra["compile_s"] = last_compile
+                        _row(table, label, compiled, inputs, n, rep_ms, info, extra)
+                except Exception as exc:
+                    info[key] = f"failed: {exc!r}"[:500]
+                    dtype = torch.float32
+                    table.add(error_row(exc, dtype, system=label, n_atoms=n))
+                finally:
+                    bench.set_tf32(False)
+                    compiled = None
+                    torch._dynamo.reset()
+                    free()
+            model = inputs = None
+            free()
+    info["progress_seconds"] = round(time.time() - t_start, 1)
+    return info
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
+    """Rows of stages.csv: one force step's forward and backward kernel time by
+    stage (``iters`` steps profiled, per step; on a CPU, CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .stages import cpu_us, device_us
+
+    step()
+    _sync(dev)
+    activities = [ProfilerActivity.CPU]
+    if dev == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            step()
+        _sync(dev)
+    time_us = device_us if dev == "cuda" else cpu_us
+    times = stage_times(prof.events(), time_us, iters=iters)
+    prov = bench.provenance(torch.float32)
+    return [
+        {
+            "system": label,
+            "n_atoms": n_atoms,
+            "stage": stage,
+            "forward_ms": f,
+            "backward_ms": b,
+            **prov,
+        }
+        for stage, (f, b) in times.items()
+    ]

@@ -1,0 +1,373 @@
+"""Chapter 5's capture: the zonal scatter, reference vs fused, over E, L and C.
+
+Parts (``parts``, comma-separated):
+
+* ``launch`` -> launch_sweep.csv: ``ZonalLaunch`` variants of the degrees forward and
+  of the edge gather at E = 365k, L = 3, C = 32, fp32, each timed (GPU time: CUDA
+  graph replay) and checked against float64; the fastest of each is reported (the
+  library's launch is ``zonal.ZonalLaunch()``'s defaults: a human changes them);
+* ``sweep`` -> scatter_sweep.csv: forward and forward + backward times, peak memory,
+  the DRAM floor and the error against float64, the fused op at the library's launch
+  (``zonal._scatter_op``, past the CUDA gate);
+* ``steps`` -> model_steps.csv and profile_*: the force and training steps with the
+  reference and the fused scatter (the linear on the einsum: only the scatter
+  changes);
+* ``ncu`` -> ncu_fused.csv: the gather and the forward at the sweep's fastest launch
+  (the library's without ``launch``), then at the library's if it differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import torch
+
+from .. import bench, options
+from .common import (
+    LaunchCase,
+    ceilings,
+    device,
+    error_row,
+    free,
+    launch_sweep,
+    launch_to_json,
+    launches_env,
+    parse_parts,
+    profile_table,
+    rel_err_gpu,
+    run_ncu,
+)
+
+__all__ = ["capture", "launch_label"]
+
+PARTS = ("launch", "sweep", "steps", "ncu")
+
+
+def launch_label(launch) -> str:
+    """A ``ZonalLaunch`` as one line for a CSV column."""
+    return (
+        f"degrees tile={launch.fwd_tile} w={launch.fwd_warps} "
+        f"st={launch.fwd_stages}; edge tile={launch.bwd_tile} w={launch.bwd_warps}"
+    )
+
+
+def capture(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "launch,sweep,steps,ncu",
+    boxes: str | None = None,
+) -> dict:
+    """Chapter 5 (module docstring). On a CPU the launch sweep and the sweep run at
+    tiny sizes in Triton's interpreter, as a smoke test."""
+    from .. import zonal
+
+    todo = parse_parts(parts, PARTS)
+    dev = device()
+    library = zonal.ZonalLaunch()
+    info: dict = {"parts": sorted(todo), "config": launch_label(library)}
+    chosen = library
+    if "launch" in todo:
+        chosen = _launch(out, quick, dev)
+        info["launch"] = launch_label(chosen)
+        if chosen != library:
+            info["launch_note"] = "the sweep's fastest differs from the library's"
+    if "sweep" in todo:
+        _sweep(out, quick, dev)
+    if "steps" in todo:
+        if dev == "cuda":
+            _model_steps(out, quick)
+        else:
+            info["model_steps"] = "skipped: no GPU"
+    if dev == "cuda" and ncu and "ncu" in todo:
+        launches = [launch_to_json("zonal", chosen)]
+        if chosen != library:
+            launches.append(launch_to_json("zonal", library))
+        env = launches_env("ECEKERN_CAPTURE_ZONAL", launches)
+        info["ncu_fused"] = run_ncu("zonal_fused", out / "ncu_fused.csv", env=env)
+    return info
+
+
+# --------------------------------------------------------------------------------------
+# launch sweep
+# --------------------------------------------------------------------------------------
+def launch_cases(L: int, C: int, E: int, floor: float, quick: bool) -> list[LaunchCase]:
+    """The forward's (BLOCK_E, warps, stages of the CSR walk) and the gather's
+    (BLOCK_E, warps) as ``ZonalLaunch`` objects: BLOCK_E times the padded rows and
+    channels of one edge is the tile."""
+    from .. import zonal
+    from .._triton import triton
+
+    C_PAD = triton.next_power_of_2(C)
+    S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
+    base = zonal.ZonalLaunch()
+    cases = []
+    sizes = (4, 8, 16) if quick else (4, 8, 16, 32)
+    cols = {"E": E, "L": L, "C": C}
+    for be, warps, stages in itertools.product(sizes, (1, 2, 4), (1, 3, 4)):
+        tile = be * zonal.fwd_rows(L) * C_PAD
+        launch = dataclasses.replace(
+            base, fwd_tile=tile, fwd_warps=warps, fwd_stages=stages
+        )
+        keys = {"kind": "forward", "variant": "degrees", "block_e": be}
+        keys |= {"warps": warps, "stages": stages, "acc": "edge"}
+        columns = cols | {"floor_ms": floor}
+        cases.append(LaunchCase("forward", launch, keys, columns=columns))
+    for be, warps in itertools.product(sizes, (1, 2, 4)):
+        launch = dataclasses.replace(base, bwd_tile=be * S_PAD * C_PAD, bwd_warps=warps)
+        keys = {"kind": "backward", "variant": "edge", "block_e": be}
+        keys |= {"warps": warps, "stages": 1, "acc": ""}
+        columns = cols | {"floor_ms": float("nan")}
+        cases.append(LaunchCase("backward", launch, keys, columns=columns))
+    return cases
+
+
+def _launch(out: Path, quick: bool, dev: str):
+    """The launch sweep; returns the library's launch with the fastest forward's and
+    the fastest gather's fields."""
+    from .. import reference, zonal
+    from ..graph import csr_row_ptr
+
+    E, L, C = (20_000, 3, 32) if quick else (365_000, 3, 32)
+    if dev != "cuda":
+        E, L, C = 300, 2, 8
+    N = max(1, E // 89)
+    S = (L + 1) ** 2
+    g = torch.Generator(device=dev).manual_seed(7)
+    dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
+    row_ptr = csr_row_ptr(dst, N)
+    Z64 = torch.randn(E, S - 1, device=dev, dtype=torch.float64, generator=g)
+    R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
+    G64 = torch.randn(N, S, C, device=dev, dtype=torch.float64, generator=g)
+    Zr, Rr = Z64.clone().requires_grad_(), R64.clone().requires_grad_()
+    h64 = reference.zonal_scatter(Zr, Rr, dst, row_ptr, 0.1)
+    dz64, dr64 = torch.autograd.grad(h64, (Zr, Rr), G64)
+    Z, R, G = Z64.float(), R64.float(), G64.float()
+    model = zonal.traffic(E, N, L, C, 4)
+    floor = bench.floor_ms(model["bytes_fwd"], 0, ceilings()["copy_GBps"])
+    cases = launch_cases(L, C, E, floor, quick or dev != "cuda")
+    if dev != "cuda":  # the interpreter runs every launch at BLOCK_E = 16: a few
+        cases = cases[:2] + [c for c in cases if c.group == "backward"][:2]
+
+    def run(case):
+        if case.group == "forward":
+            return zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=case.launch)
+        return zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=case.launch)
+
+    def check(case, got):
+        if case.group == "forward":
+            return rel_err_gpu(got, h64)
+        return max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
+
+    best = launch_sweep(cases, run, check, out / "launch_sweep.csv")
+    chosen = zonal.ZonalLaunch()
+    if "forward" in best:
+        f = best["forward"].launch
+        chosen = dataclasses.replace(
+            chosen,
+            fwd_tile=f.fwd_tile,
+            fwd_warps=f.fwd_warps,
+            fwd_stages=f.fwd_stages,
+        )
+    if "backward" in best:
+        b = best["backward"].launch
+        chosen = dataclasses.replace(chosen, bwd_tile=b.bwd_tile, bwd_warps=b.bwd_warps)
+    free()
+    return chosen
+
+
+# --------------------------------------------------------------------------------------
+# the sweep over E, L and C
+# --------------------------------------------------------------------------------------
+def _cases(quick: bool, dev: str) -> list[tuple[int, int, int]]:
+    small = (4096, 3, 32) if dev == "cuda" else (300, 2, 8)
+    if quick:
+        return [small]
+    return (
+        [(E, 3, 32) for E in (46_000, 365_000, 1_000_000, 3_000_000)]
+        + [(365_000, L, 32) for L in (1, 2, 4)]
+        + [(365_000, 3, C) for C in (16, 64, 100)]
+    )
+
+
+def _sweep(out: Path, quick: bool, dev: str) -> None:
+    """Rows of scatter_sweep.csv."""
+    from .. import reference, zonal
+    from ..graph import csr_row_ptr
+
+    ceil = ceilings()
+    label = launch_label(zonal.ZonalLaunch())
+    rows: list[dict] = []
+    ops = {"reference": reference.zonal_scatter, "fused": zonal._scatter_op}
+    for E, L, C in _cases(quick, dev):
+        N = max(1, E // 89)
+        g = torch.Generator(device=dev).manual_seed(E + L + C)
+        dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
+        row_ptr = csr_row_ptr(dst, N)
+        Z64 = torch.randn(
+            E, (L + 1) ** 2 - 1, device=dev, dtype=torch.float64, generator=g
+        )
+        R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
+        truth = reference.zonal_scatter(Z64, R64, dst, row_ptr, 0.1)
+        Z, R = Z64.float().requires_grad_(), R64.float().requires_grad_()
+        model = zonal.traffic(E, N, L, C, 4)
+        for name, fn in ops.items():
+            try:
+                row = _sweep_row(fn, name == "fused", Z, R, dst, row_ptr, truth)
+            except Exception as exc:
+                rows.append(error_row(exc, torch.float32, E=E, L=L, C=C, op=name))
+                bench.write_csv(rows, out / "scatter_sweep.csv")
+                continue
+            floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
+            gpu_f, b2b_f = row["forward_gpu_ms"], row["forward_b2b_ms"]
+            rows.append(
+                {
+                    "E": E,
+                    "N": N,
+                    "L": L,
+                    "C": C,
+                    "op": name,
+                    **row,
+                    "bytes_fwd": model["bytes_fwd"],
+                    "floor_ms": floor,
+                    "floor_fraction": floor / row["forward_ms"],
+                    "floor_fraction_gpu": floor / gpu_f,
+                    "floor_fraction_b2b": floor / b2b_f,
+                    "config": label if name == "fused" else "",
+                    **bench.provenance(torch.float32),
+                }
+            )
+            r = rows[-1]
+            print(
+                name,
+                E,
+                L,
+                C,
+                f"fwd {r['forward_ms']:.3f} ms (gpu {gpu_f:.3f}, b2b {b2b_f:.3f})",
+                f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms (gpu {r['fwd_bwd_gpu_ms']:.3f})",
+                f"err {r['rel_err_vs_fp64']:.1e}",
+                flush=True,
+            )
+            bench.write_csv(rows, out / "scatter_sweep.csv")
+        free()
+
+
+def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> dict:
+    """One op at one shape: eager times, and for the fused op its kernels' GPU time
+    alone (CUDA graph replay: the op's host-side launch cost is larger than its
+    kernels at small E) and back to back. The backward's kernel is the gather
+    (autograd's engine is not graphed; the reference checks its CSR on the host: not
+    capturable)."""
+    from .. import zonal
+
+    nan = float("nan")
+    args = (Z.detach(), R.detach(), dst, row_ptr, 0.1)
+    h = fn(Z, R, dst, row_ptr, 0.1)
+    err = rel_err_gpu(h, truth)
+    G = torch.randn_like(h)
+    t_f = bench.time_fn(lambda: fn(Z, R, dst, row_ptr, 0.1))
+
+    def fwd_bwd():
+        torch.autograd.backward(fn(Z, R, dst, row_ptr, 0.1), G)
+
+    t_fb = bench.time_fn(fwd_bwd)
+    mem = bench.peak_memory(fwd_bwd)
+    g_f = g_fb = b_f = b_fb = None
+    if fused:
+        g_f = bench.time_graph(lambda: zonal._scatter_op(*args))
+        g_fb = bench.time_graph(
+            lambda: (zonal._scatter_op(*args), zonal._gather_op(G, *args))
+        )
+        # back to back, alternating between two copies of the inputs (together past
+        # the 60 MB of L2 from E = 365k up)
+        args2 = (Z.detach().clone(), R.detach().clone(), *args[2:])
+        b_f = bench.time_back_to_back(
+            [lambda a=a: zonal._scatter_op(*a) for a in (args, args2)]
+        )
+        b_fb = bench.time_back_to_back(
+            [
+                lambda a=a: (zonal._scatter_op(*a), zonal._gather_op(G, *a))
+                for a in (args, args2)
+            ]
+        )
+    return {
+        "forward_ms": t_f.median,
+        "forward_p10_ms": t_f.p10,
+        "forward_p90_ms": t_f.p90,
+        "fwd_bwd_ms": t_fb.median,
+        "forward_gpu_ms": g_f.median if g_f else nan,
+        "forward_gpu_p10_ms": g_f.p10 if g_f else nan,
+        "forward_gpu_p90_ms": g_f.p90 if g_f else nan,
+        "fwd_bwd_gpu_ms": g_fb.median if g_fb else nan,
+        "forward_b2b_ms": b_f.median if b_f else nan,
+        "forward_b2b_p10_ms": b_f.p10 if b_f else nan,
+        "forward_b2b_p90_ms": b_f.p90 if b_f else nan,
+        "fwd_bwd_b2b_ms": b_fb.median if b_fb else nan,
+        "peak_mem_MiB": mem / 2**20,
+        "rel_err_vs_fp64": err,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# model steps
+# --------------------------------------------------------------------------------------
+def _model_steps(out: Path, quick: bool) -> None:
+    """The force step and the force-training step of the model, reference scatter
+    against the fused op, strict fp32, the linear on the einsum: time, peak memory,
+    and a profiler table of each at the larger box."""
+    import ecekern
+    from ecekern import zonal
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = ecekern.ECEConfig()
+    rows = []
+    boxes = [2] if quick else [4, 8]
+    label = launch_label(zonal.ZonalLaunch())
+
+    def train(model, pos, numbers, graph):
+        model.zero_grad(set_to_none=True)
+        e, f = force_step(model, pos, numbers, graph, create_graph=True)
+        (e**2 + (f**2).sum()).backward()
+
+    for rep in boxes:
+        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+        pos, numbers, graph = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        for scatter in ("reference", "fused"):
+            with options.use(linear="einsum", zonal=scatter):
+                for kind, fn in (("force step", force_step), ("training step", train)):
+                    step = lambda fn=fn: fn(model, pos, numbers, graph)
+                    t = bench.time_fn(step, rep_ms=400.0)
+                    mem = bench.peak_memory(step)
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "scatter": scatter,
+                            "n_atoms": pos.shape[0],
+                            "n_edges": graph.n_edges,
+                            "step_ms": t.median,
+                            "step_p10_ms": t.p10,
+                            "step_p90_ms": t.p90,
+                            "reps": t.n,
+                            "peak_mem_MiB": mem / 2**20,
+                            "config": label if scatter == "fused" else "",
+                            **bench.provenance(torch.float32),
+                        }
+                    )
+                    print(
+                        kind,
+                        scatter,
+                        pos.shape[0],
+                        f"{t.median:.2f} ms",
+                        f"{mem / 2**20:.0f} MiB",
+                        flush=True,
+                    )
+                    bench.write_csv(rows, out / "model_steps.csv")
+                    if rep == boxes[-1]:
+                        stem = f"profile_{kind.split()[0]}_{pos.shape[0]}_{scatter}"
+                        profile_table(step, out, stem)
+        model = pos = numbers = graph = None
+        free()
