@@ -231,7 +231,7 @@ def rotate_and_select(
     n_ang = t.n_ang
     # torch.gather, not advanced indexing: its backward is a scatter-add, where
     # advanced indexing's backward is a sort-based index_put: 38 % of the force step
-    # on the H200 (book/captures/01_einsum_reference/history_index_put)
+    # on the H200 (book/history/01_reference/index_put)
     idx_cos = t.cos_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
     idx_sin = t.sin_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
     x_cos = torch.gather(A_pad, 2, idx_cos)  # (E, 2C, (L+1) n_ang)

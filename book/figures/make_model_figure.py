@@ -19,13 +19,13 @@ STAGES = [
     ("rotate &\nselect", "D_e @ A_e\ncos, sin\n(E, F, n_ang)", "#e3f1de"),
     ("mixing\nstack", "K x Equi-\nvariantLinear\n+ gate", "#e3f1de"),
     ("pack &\nunrotate", "D_e^T\nmsg\n(E, S, C)", "#e3f1de"),
-    ("aggregate\n+ update", "k sum msg\nNodeLinear\nh += ...", "#e3f1de"),
+    ("aggregate\n+ update", "k sum\nu_e msg_e\nNodeLinear\nh += ...", "#e3f1de"),
     ("readout", "MLP(h[:,0])\nE = sum\nF = -dE/dx", "#ece3f4"),
 ]
 CHAPTER = {
-    "rotate &\nselect": "ch 3-4",
-    "mixing\nstack": "ch 2, 6",
-    "pack &\nunrotate": "ch 3-4",
+    "rotate &\nselect": "planned",
+    "mixing\nstack": "ch 2",
+    "pack &\nunrotate": "planned",
     "GIE": "ch 5",
 }
 
