@@ -167,7 +167,7 @@ def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
     return resource_usage(k, types, const, warps)
 
 
-#: The edge gather's launch in chapter 5's first capture (85534791f806): BLOCK_E 16
+#: The edge gather's launch in chapter 5's first capture: BLOCK_E 16
 #: at every shape, 2 warps.
 FIXED_LAUNCH = (16, 2)
 

@@ -270,12 +270,7 @@ def fma_reason(x: torch.Tensor, w: torch.Tensor, tf32: bool) -> str | None:
     return None
 
 
-def fma_fwd(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    launch: FmaLaunch = FmaLaunch(),
-) -> torch.Tensor:
+def fma_fwd(x, w, bias, launch: FmaLaunch = FmaLaunch()) -> torch.Tensor:
     """``y (B, O, 3)`` for ``x (B, K, 3)`` with rows contiguous, ``w (3, O, K)`` with O
     contiguous, ``bias (O,)`` contiguous or None. The caller checked
     :func:`fma_reason`."""

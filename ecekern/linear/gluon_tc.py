@@ -463,12 +463,7 @@ def operand_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def tc_fwd(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    launch: Launch | None = None,
-) -> torch.Tensor:
+def tc_fwd(x, w, bias, launch: Launch | None = None) -> torch.Tensor:
     """``y (B, O, 3)`` for ``x (B, K, 3)``, ``w (3, O, K)`` (both contiguous, 16-byte
     aligned), ``bias (O,)`` contiguous or None: the forward, or the input backward with
     ``w`` the contiguous W^T. The caller checked :func:`tc_reason`; ``launch``

@@ -94,16 +94,17 @@ def _join_modes(y0, y1, y2, y3, N_ANG: tl.constexpr):
 
 @triton.jit
 def _mode_dot(
-    xm, w_tile_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc, m: tl.constexpr,
-    N_ANG: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    W_DESC: tl.constexpr,
+    xm, w_tile, acc, m: tl.constexpr, N_ANG: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, W_DESC: tl.constexpr,
 ):  # fmt: skip
     """``acc + x[:, :, m] @ W[m]^T`` for mode m < n_ang (else acc): one ``[BLOCK_K,
-    BLOCK_B]`` tile of x and one ``[BLOCK_K, BLOCK_O]`` tile of W, loaded by pointers
-    (W_DESC 0) or by the bulk copy engine: from W's descriptor, K contiguous (1), or
-    from a descriptor of W^T's storage, O contiguous (2: the input backward reads W^T
-    without a copy)."""
+    BLOCK_B]`` tile of x and one ``[BLOCK_K, BLOCK_O]`` tile of W (``w_tile``: its
+    pointers, mask and mode stride, W's descriptor, and the tile's origin), loaded by
+    pointers (W_DESC 0) or by the bulk copy engine: from W's descriptor, K contiguous
+    (1), or from a descriptor of W^T's storage, O contiguous (2: the input backward
+    reads W^T without a copy)."""
     if m < N_ANG:
+        w_tile_ptrs, w_mask, stride_w_m, w_desc, o0, k0 = w_tile
         if W_DESC == 1:
             wt = w_desc.load([m, o0, k0])  # [1, BLOCK_O, BLOCK_K], zeros past the edges
             wm = tl.trans(tl.reshape(wt, [wt.shape[1], wt.shape[2]]))
@@ -192,26 +193,12 @@ def _eqlin_fwd_kernel(
         # 2. one true dot per mode against W[m]^T, [BLOCK_K, BLOCK_O]
         w_ptrs = w_ptr + offs_k[:, None] * stride_w_k + offs_o[None, :] * stride_w_o
         w_mask = mask_k[:, None] & mask_o[None, :]
-        acc0 = _mode_dot(
-            x0, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc0, 0, N_ANG,
-            PRECISION, UPCAST, W_DESC,
-        )  # fmt: skip
-        acc1 = _mode_dot(
-            x1, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc1, 1, N_ANG,
-            PRECISION, UPCAST, W_DESC,
-        )  # fmt: skip
-        acc2 = _mode_dot(
-            x2, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc2, 2, N_ANG,
-            PRECISION, UPCAST, W_DESC,
-        )  # fmt: skip
-        acc3 = _mode_dot(
-            x3, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc3, 3, N_ANG,
-            PRECISION, UPCAST, W_DESC,
-        )  # fmt: skip
-        acc4 = _mode_dot(
-            x4, w_ptrs, w_mask, stride_w_m, w_desc, o0, k0, acc4, 4, N_ANG,
-            PRECISION, UPCAST, W_DESC,
-        )  # fmt: skip
+        w_tile = (w_ptrs, w_mask, stride_w_m, w_desc, o0, k0)
+        acc0 = _mode_dot(x0, w_tile, acc0, 0, N_ANG, PRECISION, UPCAST, W_DESC)
+        acc1 = _mode_dot(x1, w_tile, acc1, 1, N_ANG, PRECISION, UPCAST, W_DESC)
+        acc2 = _mode_dot(x2, w_tile, acc2, 2, N_ANG, PRECISION, UPCAST, W_DESC)
+        acc3 = _mode_dot(x3, w_tile, acc3, 3, N_ANG, PRECISION, UPCAST, W_DESC)
+        acc4 = _mode_dot(x4, w_tile, acc4, 4, N_ANG, PRECISION, UPCAST, W_DESC)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(ACC_DTYPE)
         acc0 += bias[None, :]
