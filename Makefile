@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export PYTHONHASHSEED := 0
 export OMP_NUM_THREADS := 2
 
-.PHONY: book test unit notebooks lint format captures clean
+.PHONY: book test unit notebooks lint format newest captures clean
 
 $(VENV)/.ready: requirements-cpu.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,18 @@ notebooks: $(VENV)/.ready
 lint: $(VENV)/.ready
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## the unit tests with the newest torch and Triton the registry resolves (unpinned, in
+## their own venv): the Gluon kernels, validated on Triton 3.6 only, fall back loudly
+NEWEST ?= .venv-newest
+newest:
+	python3 -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q --upgrade torch triton numpy ase vesin \
+	    vesin-torch matplotlib scipy e3nn pytest pytest-xdist
+	$(NEWEST)/bin/python -m pip install -q --no-deps -e .
+	$(NEWEST)/bin/python -c "import torch, triton; print('newest:', torch.__version__, triton.__version__)"
+	$(NEWEST)/bin/pytest -n 2 -q -p no:cacheprovider tests
 
 format: $(VENV)/.ready
 	$(BIN)/ruff format .

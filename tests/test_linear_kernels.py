@@ -226,3 +226,21 @@ def test_plan_choices_are_plain_values():
     """The plan is a pure function of plain values: the same key, the same object."""
     key = plan.Key("cuda", torch.bfloat16, False, 3, 192, 192, True, True)
     assert plan.kernel_for(key) is plan.kernel_for(key)
+
+
+def test_gluon_only_on_the_validated_triton_release():
+    """The Gluon kernels use Triton internals: another release runs the Triton
+    kernels, and the reason says which release was validated."""
+    from ecekern import _triton
+
+    if not _triton.AVAILABLE:
+        pytest.skip("no Triton")
+    release = ".".join(_triton.triton.__version__.split(".")[:2])
+    if release not in _triton.GLUON_VALIDATED:
+        assert _triton.gluon is None and "validated on" in _triton.GLUON_REASON
+        key = plan.Key("cuda", torch.float32, False, 3, 192, 192, True, True)
+        assert plan.kernel_for(key).kernel == "triton"
+    elif INTERPRET:
+        assert _triton.gluon is None and "interpreter" in _triton.GLUON_REASON
+    else:
+        assert _triton.gluon is not None and _triton.GLUON_REASON is None
