@@ -507,3 +507,14 @@ def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
     assert manifest["files"] == ["rows.csv"]
     with tarfile.open(tmp_path / "captures.tar.gz") as tar:
         assert "methodology/rows.csv" in tar.getnames()
+
+
+def test_chapter_opening_reads_its_row_and_stage_share():
+    """A chapter opens with its progress-table row and its stages' share of the
+    reference's force step, both from the one-run capture."""
+    from ecekern import captures
+
+    text = captures.chapter_opening("+ ch5 zonal", ("gie",))
+    assert "`gie` takes" in text and "x vs fastest peer" in text
+    assert text.count("\n| 4096 |") == 2  # strict fp32 and TF32
+    assert "takes" not in captures.chapter_opening("reference", ())

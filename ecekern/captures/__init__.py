@@ -298,3 +298,46 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
                 )
         out.append(k)
     return out
+
+
+def chapter_opening(
+    system: str, stages: tuple[str, ...], root: str | os.PathLike | None = None
+) -> str:
+    """The opening of a chapter, as Markdown from the one-run progress capture: the
+    chapter's row of the progress table (``system``, both sizes, strict fp32 and TF32,
+    against the reference and the fastest peer) and its stages' share of the
+    reference's 4096-atom force step, forward and backward (``stages.csv``)."""
+    rows = [r for r in progress_rows(root) if r["system"] == system]
+    table = markdown_table(
+        rows,
+        {
+            "n_atoms": "atoms",
+            "dtype": "precision",
+            "step_ms": "force step (ms)",
+            "vs_reference": "x vs reference",
+            "vs_fastest_peer": "x vs fastest peer",
+        },
+        {"step_ms": "{:.1f}", "vs_reference": "{:.2f}", "vs_fastest_peer": "{:.2f}"},
+    )
+    base = Path(root) if root else capture_root()
+    st = [
+        r
+        for r in load("01_reference", base / "01_reference").csv("stages")
+        if r["system"] == "reference"
+    ]
+    fwd = sum(r["forward_ms"] for r in st)
+    bwd = sum(r["backward_ms"] for r in st)
+    mine = [r for r in st if r["stage"] in stages]
+    f = sum(r["forward_ms"] for r in mine)
+    b = sum(r["backward_ms"] for r in mine)
+    n = st[0]["n_atoms"] if st else 0
+    if not stages:
+        return table
+    names = ", ".join(f"`{s}`" for s in stages)
+    share = (
+        f"In the reference's {n}-atom force step (strict fp32, H200) "
+        f"{'the stages ' + names + ' take' if len(stages) > 1 else names + ' takes'} "
+        f"{f:.1f} ms of the forward's {fwd:.1f} ms ({100 * f / fwd:.0f} %) and "
+        f"{b:.1f} ms of the backward's {bwd:.1f} ms ({100 * b / bwd:.0f} %)."
+    )
+    return share + "\n\n" + table
