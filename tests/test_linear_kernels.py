@@ -244,3 +244,47 @@ def test_gluon_only_on_the_validated_triton_release():
         assert _triton.gluon is None and "interpreter" in _triton.GLUON_REASON
     else:
         assert _triton.gluon is not None and _triton.GLUON_REASON is None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's variant of the GPU tests")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_triton_path_equals_eager_in_the_interpreter(backend):
+    """The kernels run inside the opaque ``ecekern::linear_kernel`` op while
+    compiling: dynamo and AOTAutograd trace the Function around it, forward and
+    input backward, in fp64 to the last bit."""
+    torch._dynamo.reset()
+    lin = ecekern.EquivariantLinear(16, 16, 3, path="triton").double()
+    g = torch.Generator().manual_seed(0)
+    x = [
+        torch.randn(33, 16, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    ]
+
+    def f(xc, xs):
+        y_c, y_s = lin(xc, xs)
+        e = (y_c**2).sum() + y_s.sum()
+        return e, torch.autograd.grad(e, (xc, xs))
+
+    e0, g0 = f(*x)
+    e1, g1 = torch.compile(f, backend=backend)(*x)
+    assert rel_err(e1, e0) < 1e-14
+    for a, b in zip(g1, g0, strict=True):
+        assert rel_err(a, b) < 1e-14
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's variant of the GPU tests")
+def test_compiled_model_with_the_fast_paths_equals_eager_in_the_interpreter():
+    """``torch.compile(model)`` (inductor) with the triton linear and the fused zonal
+    scatter, as the defaults take them on CUDA: the eager energy and forces."""
+    from ecekern.model import force_step, prepare_inputs
+
+    torch._dynamo.reset()
+    cfg = ecekern.ECEConfig(channels=4, radial_hidden=8, readout_hidden=4, n_gated=1)
+    atoms = ecekern.systems.diamond(1, rattle=0.1, seed=3)
+    model = ecekern.ECEModel(cfg).double()
+    inputs = prepare_inputs(atoms, cfg.cutoff)
+    with options.use(linear="triton", zonal="fused"):
+        e0, f0 = force_step(model, *inputs)
+        e1, f1 = force_step(torch.compile(model), *inputs)
+    assert rel_err(e1, e0) < 1e-13 and rel_err(f1, f0) < 1e-12

@@ -287,18 +287,23 @@ class LaunchCase:
     columns: dict = field(default_factory=dict)
 
 
+def _gpu_time(fn):
+    return bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
+
+
 def launch_sweep(
     cases: Iterable[LaunchCase],
     run: Callable[[LaunchCase], Any],
     check: Callable[[LaunchCase, Any], float],
     out_csv: Path,
+    timer: Callable | None = None,
 ) -> dict[str, LaunchCase]:
     """Time every case's ``run(case)`` (its GPU time by CUDA-graph replay,
     :func:`bench.time_graph`, or where that cannot capture it, or on a CPU,
     :func:`bench.time_fn`) after ``check(case, output)`` gave its relative error
     against a float64 truth; write a row per case to ``out_csv`` as it goes (a case
     that raised is a row with its error). Returns the fastest correct case per
-    group."""
+    group. ``timer(fn) -> Timing`` replaces the timing (tests time host work)."""
     rows: list[dict] = []
     best: dict[str, tuple[float, LaunchCase]] = {}
     try:
@@ -307,7 +312,7 @@ def launch_sweep(
             fn = lambda case=case: run(case)
             try:
                 err = check(case, fn())
-                t = bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
+                t = (timer or _gpu_time)(fn)
             except Exception as exc:  # out of registers or shared memory, say
                 rows.append(error_row(exc, case.dtype, **case.keys))
                 bench.write_csv(rows, out_csv)
