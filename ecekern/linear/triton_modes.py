@@ -57,24 +57,25 @@ class TritonLaunch:
 # kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _x_tile(ptrs, mask, stride_m, m: tl.constexpr, N_ANG: tl.constexpr):
+    """Mode m's ``[BLOCK_K, BLOCK_B]`` tile of one K step, loaded as its own strided
+    tile (0.0 past n_ang). Features first: a load's threads go to the tile's first
+    axis when the strides do not say which is contiguous, and rows first put a warp's
+    32 threads on 32 different rows."""
+    x = 0.0
+    if m < N_ANG:
+        x = tl.load(ptrs + m * stride_m, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _x_tiles(ptrs, mask, stride_m, N_ANG: tl.constexpr):
-    """The n_ang ``[BLOCK_K, BLOCK_B]`` mode tiles of one K step, each loaded as its
-    own strided tile (0.0 for the slots past n_ang). Features first: a load's threads
-    go to the tile's first axis when the strides do not say which is contiguous, and
-    rows first put a warp's 32 threads on 32 different rows."""
-    x0 = tl.load(ptrs, mask=mask, other=0.0)
-    x1 = 0.0
-    x2 = 0.0
-    x3 = 0.0
-    x4 = 0.0
-    if N_ANG > 1:
-        x1 = tl.load(ptrs + stride_m, mask=mask, other=0.0)
-    if N_ANG > 2:
-        x2 = tl.load(ptrs + 2 * stride_m, mask=mask, other=0.0)
-    if N_ANG > 3:
-        x3 = tl.load(ptrs + 3 * stride_m, mask=mask, other=0.0)
-    if N_ANG > 4:
-        x4 = tl.load(ptrs + 4 * stride_m, mask=mask, other=0.0)
+    """The n_ang mode tiles of one K step (:func:`_x_tile`)."""
+    x0 = _x_tile(ptrs, mask, stride_m, 0, N_ANG)
+    x1 = _x_tile(ptrs, mask, stride_m, 1, N_ANG)
+    x2 = _x_tile(ptrs, mask, stride_m, 2, N_ANG)
+    x3 = _x_tile(ptrs, mask, stride_m, 3, N_ANG)
+    x4 = _x_tile(ptrs, mask, stride_m, 4, N_ANG)
     return x0, x1, x2, x3, x4
 
 
