@@ -167,7 +167,7 @@ def test_gpu_auto_runs_the_gluon_kernels_both_ways(dtype, monkeypatch):
     "dtype, tf32, path, tol",
     [
         (torch.float32, False, "auto", 1e-5),  # the Gluon FMA kernel
-        (torch.float32, True, "auto", 1e-5),  # the dense GEMM (TF32)
+        (torch.float32, True, "auto", 5e-3),  # the dense GEMM (inductor's own, TF32)
         (torch.float32, True, "triton", 1e-5),  # the Triton kernel (TF32)
         (torch.bfloat16, False, "auto", 1e-2),  # the Gluon tensor-core kernel
         (torch.float64, False, "triton", 1e-12),  # the Triton kernel (fp64)
@@ -203,23 +203,27 @@ def test_gpu_compiled_equals_eager_for_every_linear_path(dtype, tf32, path, tol)
 @pytest.mark.parametrize("n_atoms", [64, 512])
 def test_gpu_compiled_force_step_equals_eager_with_default_options(n_atoms):
     """``torch.compile(model)`` with the library's defaults (every fast path on) gives
-    the eager energy and forces: strict fp32 and TF32."""
+    the eager energy and forces by the three-way rule against float64: strict fp32
+    and TF32 (where inductor's own GEMMs round differently from eager's)."""
     if not CUDA:
         pytest.skip("needs a CUDA device")
     from ecekern.model import force_step, prepare_inputs
 
     atoms = ecekern.systems.diamond({64: 2, 512: 4}[n_atoms])
-    for tf32 in (False, True):
+    model = ecekern.ECEModel().to("cuda", torch.float64)
+    truth = force_step(model, *prepare_inputs(atoms, 5.0, torch.float64, "cuda"))
+    model = model.float()
+    inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
+    for tf32, atol in ((False, 1e-5), (True, 5e-3)):
         torch._dynamo.reset()
         bench.set_tf32(tf32)
         try:
-            model = ecekern.ECEModel().to("cuda", torch.float32)
-            inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
-            e0, f0 = force_step(model, *inputs)
-            e1, f1 = force_step(torch.compile(model), *inputs)
-            assert rel_err(e1, e0) < 1e-5 and rel_err(f1, f0) < 1e-4
+            eager = force_step(model, *inputs)
+            compiled = force_step(torch.compile(model), *inputs)
         finally:
             bench.set_tf32(False)
+        for got, ref, t in zip(compiled, eager, truth, strict=True):
+            assert rel_err(got, t) <= 2 * rel_err(ref, t) + atol, (tf32, got, ref)
 
 
 def test_plan_choices_are_plain_values():
