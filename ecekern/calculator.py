@@ -68,13 +68,13 @@ class ECECalculator(Calculator):
         dtype: ``torch.float32`` or ``torch.float64``; default the dtype of the model's
             parameters (``ECEModel`` is built in float32; ``model.double()`` for
             float64, which is what long NVE runs want).
-        **kwargs: passed to :class:`ase.calculators.calculator.Calculator`
+        **kwargs: passed to ASE's ``Calculator``
             (``label``, ``directory``, ...).
 
     Properties (see the module docstring for the stress formula): ``energy`` and
     ``free_energy`` (eV), ``forces = -dE/dx`` (eV/A), ``stress`` (eV/A^3, Voigt
     ``xx, yy, zz, yz, xz, xy``; only when a direction is periodic: a non-periodic
-    system raises :class:`~ase.calculators.calculator.PropertyNotImplementedError`).
+    system raises ASE's ``PropertyNotImplementedError``).
     Asking for any property computes energy, forces and (periodic cells) stress in one
     forward and one backward; ASE caches them until the atoms change
     (``check_state``: positions, numbers, cell, pbc).
