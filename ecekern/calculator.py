@@ -61,7 +61,7 @@ class ECECalculator(Calculator):
             ``nn.Module.to`` does), to ``device``; and, only when ``dtype`` is given
             and differs from the model's, to ``dtype`` (once, here). The calculator
             never converts it afterwards: if the model's dtype or device changes later,
-            :meth:`calculate` raises a ValueError naming the fix
+            ``calculate()`` raises a ValueError naming the fix
             (``model.to(dtype)`` / ``model.to(device)``).
         device: where to compute; default ``"cuda"`` when ``torch.cuda.is_available()``,
             else ``"cpu"``.
