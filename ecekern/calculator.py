@@ -181,7 +181,13 @@ class ECECalculator(Calculator):
             "free_energy": e,
             "forces": -grads[0].detach().cpu().double().numpy(),
         }
-        if periodic:
+        volume = abs(atoms.cell.volume)
+        if periodic and volume > 0:
             virial = grads[1].detach().cpu().double().numpy()  # dE/d eps, eV
-            sigma = 0.5 * (virial + virial.T) / abs(atoms.cell.volume)
+            sigma = 0.5 * (virial + virial.T) / volume
             self.results["stress"] = np.array([sigma[i, j] for i, j in _VOIGT])
+        elif "stress" in properties:  # a slab or wire whose open direction has no
+            raise PropertyNotImplementedError(  # cell vector: no volume
+                "stress needs a cell of non-zero volume: give the non-periodic "
+                "directions a cell vector too (e.g. atoms.center(vacuum=10))"
+            )

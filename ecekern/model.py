@@ -1,7 +1,7 @@
 """The model: an SO(3)-invariant potential with SO(2) convolutions in edge frames.
 
-``ECEModel(config)(positions, numbers, graph) -> energy`` runs the stages of
-DESIGN section 2 with the functions of :mod:`ecekern.reference` (or, when the options
+``ECEModel(config)(positions, numbers, graph) -> energy`` runs the stages of the
+book's chapter 1 with the functions of :mod:`ecekern.reference` (or, when the options
 switch them on, their fast twins). Each stage runs inside a
 ``torch.profiler.record_function("ece::<stage>")`` range, so a profile shows the time
 by stage. Forces are ``-dE/dx`` by autograd (:func:`energy_and_forces`).
@@ -376,11 +376,13 @@ def force_step(model, positions, numbers, graph, create_graph: bool = False):
     ``model`` is any module with ``model(positions, numbers, graph) -> energy`` (the
     peers of chapter 1 too). ``positions`` is not modified.
     """
-    x = positions.detach().requires_grad_(True)
-    energy = model(x, numbers, graph)
-    if x.shape[0] == 0:
-        return energy, torch.zeros_like(x)
-    (grad,) = torch.autograd.grad(energy, x, create_graph=create_graph)
+    # forces need autograd, also when the caller is under no_grad or inference_mode
+    with torch.inference_mode(False), torch.enable_grad():
+        x = positions.detach().clone().requires_grad_(True)
+        energy = model(x, numbers, graph)
+        if x.shape[0] == 0:
+            return energy, torch.zeros_like(x)
+        (grad,) = torch.autograd.grad(energy, x, create_graph=create_graph)
     return (energy if create_graph else energy.detach()), -grad
 
 
@@ -433,7 +435,8 @@ def energy_and_forces(
                 f"energy_and_forces does not move it: call model.to({str(want)!r}) "
                 "first, or leave device out"
             )
-    positions, numbers, graph = prepare_inputs(
-        atoms, model.config.cutoff, p.dtype, p.device
-    )
+    with torch.inference_mode(False):  # the graph is saved for the backward
+        positions, numbers, graph = prepare_inputs(
+            atoms, model.config.cutoff, p.dtype, p.device
+        )
     return force_step(model, positions, numbers, graph, create_graph)

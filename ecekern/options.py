@@ -142,8 +142,8 @@ _warned: set[str] = set()
 
 def _once(key: str, message: str, category) -> None:
     if key not in _warned:
-        _warned.add(key)
         warnings.warn(message, category, stacklevel=4)
+        _warned.add(key)  # after: a warning turned into an error is raised again
 
 
 def fallback(op: str, reason: str) -> None:

@@ -1,6 +1,6 @@
 """The einsum reference: every stage of the model as plain PyTorch ops.
 
-This module is the executable specification (DESIGN section 2). Every fast path in
+This module is the executable specification (the book, chapter 1). Every fast path in
 the library computes the same as a function here, with the same signature, and is
 tested against it in float64. Nothing here is ever "optimised".
 
@@ -369,7 +369,7 @@ def aggregate(
 ) -> torch.Tensor:
     """``Delta[n] = scale * sum_{e: dst_e = n} w_e msg[e]``, ``(E, S, C) -> (N, S, C)``.
 
-    ``edge_weight (E,)`` is the envelope ``u(d_e)`` in the model (DESIGN 4e): the
+    ``edge_weight (E,)`` is the envelope ``u(d_e)`` in the model: the
     mixing stack's biases and gates leave a message that does not vanish at the
     cutoff, and this weight makes it vanish with two derivatives, so the energy is
     smooth when an edge enters or leaves the neighbour list. None means 1.

@@ -1,6 +1,6 @@
 """Real spherical harmonics, real Wigner matrices and per-edge frames.
 
-Conventions (DESIGN section 2):
+Conventions (the book, chapter 1):
 
 * real spherical harmonics with z as the polar axis, orthonormal on the unit sphere,
   no Condon-Shortley phase, component index ``s = l*l + l + m`` for ``m = -l..l``, so

@@ -217,7 +217,7 @@ def _edge_grads(
     ACC_DTYPE: tl.constexpr,
 ):
     """dZ and dR of one block of edges, given G at their destinations ``g``
-    (``[BLOCK_E, S_PAD, C_PAD]``, or ``[1, S_PAD, C_PAD]`` when they share one)."""
+    (``[BLOCK_E, S_PAD, C_PAD]``)."""
     mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
     r = tl.load(
         r_ptr
@@ -529,6 +529,8 @@ def zonal_scatter(
     """
     values = validate and not torch.compiler.is_compiling()
     reference.check_zonal_scatter(Z, R, dst, row_ptr, values=values)
+    if options.current().reference:  # the one switch to the reference, anywhere
+        return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
     reason = why_not_triton(Z.device.type)
     if reason is None and not 1 <= R.shape[1] <= 4:
         reason = f"L = {R.shape[1]} is outside 1..4"

@@ -185,6 +185,12 @@ def test_bad_input(model):
     assert np.isfinite(molecule.get_forces()).all()
     with pytest.raises(PropertyNotImplementedError, match="periodic"):
         molecule.get_stress()
+    slab = Atoms("C2", positions=[[0, 0, 0], [0.7, 0.7, 0.9]], cell=[3, 3, 0])
+    slab.pbc = (True, True, False)  # a zero vector in the open direction: no volume
+    slab.calc = ECECalculator(model)
+    assert np.isfinite(slab.get_forces()).all()
+    with pytest.raises(PropertyNotImplementedError, match="non-zero volume"):
+        slab.get_stress()
     molecule.numbers[0] = 14  # not among the model's species
     with pytest.raises(ValueError, match="species"):
         molecule.get_potential_energy()

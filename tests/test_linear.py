@@ -440,3 +440,22 @@ def test_gpu_force_steps_copy_no_weight_after_the_first(tf32):
     tol = 3e-3 if tf32 else 1e-5
     assert rel_err(h_c.double(), 0.25 * g_c.double()) < tol  # dx scales as W^2
     assert rel_err(h_s.double(), 0.25 * g_s.double()) < tol
+
+
+def test_the_input_backward_plan_looks_at_the_gradient_layout():
+    """An expanded or permuted gradient (``.sum().backward()`` hands an expanded one)
+    must not reach the tensor-core kernel, whose TMA needs it contiguous."""
+    g = torch.ones(1, 1, 1).expand(64, 192, 3)
+    assert autograd.layout(g, None) == (False, False)
+    assert autograd.layout(torch.randn(64, 192, 3), None) == (True, True)
+    key = plan.Key(
+        "cuda", torch.bfloat16, False, 3, 192, 192, *autograd.layout(g, None)
+    )
+    assert plan.kernel_for(key).kernel != "tc"
+
+
+def test_the_kept_transposed_weight_skips_inference_tensors():
+    with torch.inference_mode():
+        w = torch.randn(3, 6, 5)
+    assert torch.equal(autograd.w_t_copy(w), w.transpose(1, 2))
+    assert id(w) not in autograd._W_T

@@ -349,3 +349,15 @@ def test_energy_and_forces_are_continuous_across_the_cutoff(n_gated):
     assert (n_in, n_out) == (2, 0)
     assert abs(e_in - e_out) < 1e-12
     assert float(f_in.abs().max()) < 1e-9 and float(f_out.abs().max()) == 0.0
+
+
+def test_forces_under_no_grad_and_inference_mode(box):
+    """A user's ``torch.no_grad()`` or ``inference_mode()`` around a force call does
+    not stop the forces: they are autograd's, computed inside."""
+    model = _model()
+    e, f = ecekern.energy_and_forces(model, box)
+    with torch.no_grad():
+        e1, f1 = ecekern.energy_and_forces(model, box)
+    with torch.inference_mode():
+        e2, f2 = ecekern.energy_and_forces(model, box)
+    assert torch.equal(f1, f) and torch.equal(f2, f) and torch.equal(e2, e)

@@ -281,3 +281,15 @@ def test_gpu_kernels_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
+
+
+def test_the_reference_switch_reaches_the_public_op(monkeypatch):
+    """``options.use(reference=True)`` runs the reference anywhere, also through
+    ``ecekern.zonal_scatter`` called directly."""
+    Z, R, dst, row_ptr = _inputs(20, 4, 2, 3)
+    monkeypatch.setattr(
+        zonal, "_scatter_op", lambda *a: pytest.fail("the fused op ran")
+    )
+    with options.use(reference=True):
+        h = zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5)
+    assert torch.equal(h, reference.zonal_scatter(Z, R, dst, row_ptr, 0.5))

@@ -41,11 +41,14 @@ def w_t_copy(weight: torch.Tensor) -> torch.Tensor:
     and kept until it changes: the FMA forward reads it as W with O contiguous, the
     tensor-core and TF32 input backwards as a contiguous W^T. Reused only for the same
     tensor at the same version counter, address, shape and strides; nothing is kept
-    while a CUDA graph is captured or a trace is compiled (a replay runs no Python)."""
+    while a CUDA graph is captured or a trace is compiled (a replay runs no Python),
+    nor for inference tensors. Every in-place op bumps the version counter (optimizer
+    steps, ``load_state_dict``); an edit through ``.data`` does not, as for any
+    PyTorch cache keyed on versions: call ``clear_w_t_cache()`` after one."""
     capturing = torch.compiler.is_compiling() or (
         weight.is_cuda and torch.cuda.is_current_stream_capturing()
     )
-    if capturing:
+    if capturing or weight.is_inference():  # inference tensors have no version
         return weight.detach().transpose(1, 2).contiguous()
     key = id(weight)
     state = (weight._version, weight.data_ptr(), weight.shape, weight.stride())
@@ -59,14 +62,22 @@ def w_t_copy(weight: torch.Tensor) -> torch.Tensor:
     return w_t
 
 
+def clear_w_t_cache() -> None:
+    """Forget every kept W^T (after editing a weight through ``.data``)."""
+    _W_T.clear()
+
+
 # --------------------------------------------------------------------------------------
 # the kernel call
 # --------------------------------------------------------------------------------------
 def layout(x: torch.Tensor, w: torch.Tensor | None) -> tuple[bool, bool]:
-    """``(rows contiguous, tensor-core operands)`` of x and w: the layout half of the
-    plan's key."""
+    """``(rows contiguous, tensor-core operands)`` of x and w (w None: the input
+    backward's kept W^T, always contiguous and aligned; x alone is checked): the
+    layout half of the plan's key."""
     rows = x.stride(2) == 1 and x.stride(1) == x.shape[2]
-    return rows, w is None or operand_reason(x, w) is None
+    if w is None:
+        return rows, x.is_contiguous() and x.data_ptr() % 16 == 0
+    return rows, operand_reason(x, w) is None
 
 
 def _kernel(x, weight, bias, tf32: bool, transposed: bool) -> torch.Tensor:
