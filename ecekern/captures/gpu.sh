@@ -6,7 +6,7 @@
 # come back is written under $OUT (captures as one archive). Chapters by slug:
 # methodology 01_reference 02_linear 05_zonal. Environment: PARTS (the chapters'
 # --parts, e.g. PARTS=progress for chapter 1's progress table), TEST_TIMEOUT
-# (seconds for the tests, 300), RUN_TESTS=0 to skip them.
+# (seconds for the tests, 300), TEST_WORKERS (8), RUN_TESTS=0 to skip them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .site
@@ -33,8 +33,11 @@ if [ -n "${PARTS:-}" ]; then parts=(--parts "$PARTS"); fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 if [ "${RUN_TESTS:-1}" != 0 ]; then
   # the tests compile many kernel variants on first use: bound them so captures run
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
-    -p no:warnings --durations=10 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  # -v with xdist names each test as it ends: a failure is named even when the
+  # timeout cuts the run short of pytest's summary
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -n "${TEST_WORKERS:-8}" -rs \
+    -p no:cacheprovider -p no:warnings --durations=10 tests 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
 # shellcheck disable=SC2086
 python3 -m ecekern.captures $chapters --out /tmp/caps $quick "${parts[@]}" 2>&1 \
