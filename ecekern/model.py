@@ -73,6 +73,7 @@ class ECEConfig:
             pos_int(name)
         pos_int("n_gated", 0)
         pos_int("n_interactions", 0)
+        pos_int("seed", 0)
         if self.n_interactions == 0:
             raise ValueError(
                 "ECEConfig.n_interactions must be >= 1, got 0: the energy is read from "

@@ -84,7 +84,11 @@ def _from_environment(base: Options) -> Options:
             changes[f.name] = (
                 _parse_bool(name, raw) if f.name == "reference" else raw.strip()
             )
-    return dataclasses.replace(base, **changes)
+    try:
+        return dataclasses.replace(base, **changes)
+    except (TypeError, ValueError) as exc:
+        names = ", ".join(f"ECEKERN_{k.upper()}" for k in changes)
+        raise ValueError(f"environment variable(s) {names}: {exc}") from None
 
 
 _current = _from_environment(Options())

@@ -361,3 +361,13 @@ def test_forces_under_no_grad_and_inference_mode(box):
     with torch.inference_mode():
         e2, f2 = ecekern.energy_and_forces(model, box)
     assert torch.equal(f1, f) and torch.equal(f2, f) and torch.equal(e2, e)
+
+
+def test_a_bad_environment_option_names_its_variable(monkeypatch):
+    from ecekern import options
+
+    monkeypatch.setenv("ECEKERN_LINEAR", "Dense")
+    with pytest.raises(ValueError, match="ECEKERN_LINEAR"):
+        options._from_environment(options.Options())
+    with pytest.raises(ValueError, match="seed"):
+        ecekern.ECEConfig(seed=1.5)

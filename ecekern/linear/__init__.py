@@ -67,7 +67,8 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
             measured choice of :mod:`ecekern.linear.plan`).
 
     Returns:
-        ``y_cos, y_sin``, each ``(..., out, n_ang)``, contiguous.
+        ``y_cos, y_sin``, each ``(..., out, n_ang)`` (contiguous on the dense and
+        triton paths).
     """
     if path == "auto":
         path = options.linear_path()
