@@ -379,7 +379,10 @@ def force_step(model, positions, numbers, graph, create_graph: bool = False):
     """
     # forces need autograd, also when the caller is under no_grad or inference_mode
     with torch.inference_mode(False), torch.enable_grad():
-        x = positions.detach().clone().requires_grad_(True)
+        x = positions.detach()
+        if x.is_inference():  # an inference tensor cannot require grad: a copy
+            x = x.clone()
+        x = x.requires_grad_(True)
         energy = model(x, numbers, graph)
         if x.shape[0] == 0:
             return energy, torch.zeros_like(x)
