@@ -16,6 +16,11 @@ if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # a fast path that falls back in a test is a failure (after the variable above)
+    config.addinivalue_line("filterwarnings", "error::ecekern.options.FallbackWarning")
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda:
         return
