@@ -35,6 +35,7 @@ __all__ = [
 
 LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
 ZONAL_PATHS = ("auto", "reference", "fused")
+EDGE_FRAME_PATHS = ("auto", "reference", "table", "packed")
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,16 @@ class Options:
         zonal: the geometric initial embedding's zonal scatter (chapter 5):
             ``"auto"`` (fused on CUDA, the reference elsewhere), ``"reference"`` or
             ``"fused"`` (on the CPU through Triton's interpreter).
+        edge_frame: rotate/select, unrotate and the aggregation (chapter 3):
+            ``"auto"`` (``"packed"`` on CUDA, the reference elsewhere),
+            ``"reference"``, ``"table"`` (the kernels reading D through the (l, m)
+            tables) or ``"packed"`` (reading the tiles packed once per step).
     """
 
     reference: bool = False
     linear: str = "auto"
     zonal: str = "auto"
+    edge_frame: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.reference, bool):
@@ -64,6 +70,11 @@ class Options:
             )
         if self.zonal not in ZONAL_PATHS:
             raise ValueError(f"zonal must be one of {ZONAL_PATHS}, got {self.zonal!r}")
+        if self.edge_frame not in EDGE_FRAME_PATHS:
+            raise ValueError(
+                f"edge_frame must be one of {EDGE_FRAME_PATHS}, got "
+                f"{self.edge_frame!r}"
+            )
 
 
 def _parse_bool(name: str, text: str) -> bool:
@@ -112,6 +123,16 @@ def zonal_fused(device_type: str) -> bool:
     if _current.zonal == "auto":
         return device_type == "cuda"
     return _current.zonal == "fused"
+
+
+def edge_frame_path(device_type: str) -> str:
+    """``reference``, ``table`` or ``packed``: the edge-frame ops' path for tensors on
+    ``device_type`` (before the kernels' own checks)."""
+    if _current.reference:
+        return "reference"
+    if _current.edge_frame == "auto":
+        return "packed" if device_type == "cuda" else "reference"
+    return _current.edge_frame
 
 
 def set_options(**changes) -> Options:

@@ -40,13 +40,12 @@ the GPU, so inductor traces the Triton launches inside; custom ops in the interp
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from . import options, reference
-from ._triton import AVAILABLE, INTERPRET, tl, triton, why_not_triton
+from ._triton import AVAILABLE, INTERPRET, split_scale, tl, triton, why_not_triton
 
 #: How the two ops are registered with ``torch.library`` (``ECEKERN_ZONAL_OP``):
 #: ``triton_op`` (the default: inductor traces the Triton launches inside) or
@@ -335,19 +334,6 @@ def _zonal_gather_kernel(
 # --------------------------------------------------------------------------------------
 # launchers: check, allocate, launch
 # --------------------------------------------------------------------------------------
-def _split_scale(scale: float) -> tuple[float, float]:
-    """``scale = hi + lo`` with both exact in fp32: Triton passes Python floats as fp32
-    scalars, which alone would cost fp64 results 1.5e-8 relative error (seen on the
-    H200); ``x * hi + x * lo`` in fp64 keeps 48 bits of the scale."""
-    hi = _to_fp32(scale)  # plain Python: no tensors built on every launch
-    return hi, _to_fp32(scale - hi)
-
-
-def _to_fp32(x: float) -> float:
-    """``x`` rounded to the nearest float32."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -405,7 +391,7 @@ def zonal_scatter_fwd(
     C_PAD = triton.next_power_of_2(C)
     D = [triton.next_power_of_2(2 * l + 1) if l <= L else 1 for l in (1, 2, 3, 4)]
     wrap_triton(_zonal_fwd_degrees_kernel)[(N,)](
-        Z, R, row_ptr, out, E, C, *_split_scale(scale),
+        Z, R, row_ptr, out, E, C, *split_scale(scale),
         Z.stride(0), Z.stride(1), R.stride(0), R.stride(1), R.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         L=L, D1=D[0], D2=D[1], D3=D[2], D4=D[3], C_PAD=C_PAD,
@@ -430,7 +416,7 @@ def zonal_edge_gather(
     S_PAD, C_PAD = triton.next_power_of_2(S - 1), triton.next_power_of_2(C)
     BE = _block_e(launch.bwd_tile, S_PAD, C_PAD, Z.dtype)
     wrap_triton(_zonal_gather_kernel)[(triton.cdiv(E, BE),)](
-        G, Z, R, dst, dz, dr, E, row_ptr.shape[0] - 1, S - 1, C, *_split_scale(scale),
+        G, Z, R, dst, dz, dr, E, row_ptr.shape[0] - 1, S - 1, C, *split_scale(scale),
         G.stride(0), G.stride(1), G.stride(2), Z.stride(0), Z.stride(1),
         R.stride(0), R.stride(1), R.stride(2),
         L=L, S_PAD=S_PAD, C_PAD=C_PAD, BLOCK_E=BE, ACC_DTYPE=_acc(Z.dtype),
