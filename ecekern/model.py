@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import options, reference, so3, zonal
+from . import edge_frame, options, reference, so3, zonal
 from .graph import MIN_DISTANCE, Graph, build_graph, edge_vectors
 from .linear import EquivariantLinear
 
@@ -315,6 +315,9 @@ class ECEModel(nn.Module):
             R0, rho = radial.split([L * C, cfg.n_interactions * cfg.F], dim=-1)
         with record_function("ece::edge_frames"):
             D = so3.edge_frames(L, r, gauge)  # (E, S, S)
+            # chapter 3: D packed once for every edge-frame op of the step (or None:
+            # the reference's stages)
+            frames = edge_frame.frames_for(D, M, graph.src, graph.dst, N, graph.row_ptr)
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
             args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
@@ -327,12 +330,17 @@ class ECEModel(nn.Module):
         for layer, rho_t in zip(
             self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
         ):
-            with record_function("ece::rotate_and_select"):
-                x_cos, x_sin = reference.rotate_and_select(
-                    h, graph.src, graph.dst, D, M
-                )
-            with record_function("ece::radial_modulation"):
-                x_cos, x_sin = x_cos * rho_t[:, :, None], x_sin * rho_t[:, :, None]
+            if frames is not None:  # the modulation is folded into the store
+                with record_function("ece::rotate_and_select"):
+                    x_cos, x_sin = frames.rotate_and_select(h, rho_t)
+            else:
+                with record_function("ece::rotate_and_select"):
+                    x_cos, x_sin = reference.rotate_and_select(
+                        h, graph.src, graph.dst, D, M
+                    )
+                with record_function("ece::radial_modulation"):
+                    x_cos = x_cos * rho_t[:, :, None]
+                    x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
                 u_cos, u_sin = x_cos, x_sin
                 for lin in layer.gated:
@@ -340,10 +348,14 @@ class ECEModel(nn.Module):
                     g_cos, g_sin = reference.gate(z_cos, z_sin)
                     u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
                 y_cos, y_sin = layer.out(u_cos, u_sin)
-            with record_function("ece::pack_and_unrotate"):
-                msg = reference.pack_and_unrotate(y_cos, y_sin, D, M)
-            with record_function("ece::aggregate"):
-                delta = reference.aggregate(msg, graph.dst, N, k, env)
+            if frames is not None:  # the message never leaves the registers
+                with record_function("ece::pack_and_unrotate"):
+                    delta = frames.unrotate_and_aggregate(y_cos, y_sin, k, env)
+            else:
+                with record_function("ece::pack_and_unrotate"):
+                    msg = reference.pack_and_unrotate(y_cos, y_sin, D, M)
+                with record_function("ece::aggregate"):
+                    delta = reference.aggregate(msg, graph.dst, N, k, env)
             with record_function("ece::node_update"):
                 h = reference.node_update(h, delta, layer.node_weight)
         with record_function("ece::readout"):

@@ -94,6 +94,7 @@ def markdown_table(
 PROGRESS_ROWS = (
     "reference",
     "+ ch2 linear",
+    "+ ch3 edge_frame",
     "+ ch5 zonal",
     "library defaults",
     "reference + torch.compile",

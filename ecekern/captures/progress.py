@@ -4,16 +4,20 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
 (strict fp32, fp32 + TF32), the force step (energy and forces) of, in this order:
 
 1. ``reference``: ``options.use(reference=True)``;
-2. ``+ ch2 linear``: ``options.use(linear="auto", zonal="reference")``;
-3. ``+ ch5 zonal``: ``options.use(linear="auto", zonal="fused")``;
-4. ``library defaults``: ``options.use()``, nothing changed (the row records what
+2. ``+ ch2 linear``: ``options.use(linear="auto", edge_frame="reference",
+   zonal="reference")``;
+3. ``+ ch3 edge_frame``: ``options.use(linear="auto", edge_frame="packed",
+   zonal="reference")``;
+4. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
+   zonal="fused")``;
+5. ``library defaults``: ``options.use()``, nothing changed (the row records what
    ``options.current()`` was);
-5. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
+6. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
    its time recorded), ``e3nn TP conv (NequIP-style)``, ``cuEquivariance TP conv
    (NequIP-style)`` (skipped, with the reason in the manifest, where
    ``cuequivariance_torch`` or its CUDA kernels ``cuequivariance_ops_torch`` do not
    load: cuet would fall back to its naive path);
-6. ``library defaults + torch.compile``.
+7. ``library defaults + torch.compile``.
 
 Each row: time (median, p10, p90 of at least 5 runs) and peak memory, with its
 provenance; ``progress.csv`` is rewritten after every row, in the table's order, so a
@@ -42,8 +46,13 @@ __all__ = ["OURS", "capture"]
 #: Our rows: label -> the options they run under (``{}``: the library's defaults).
 OURS = {
     "reference": {"reference": True},
-    "+ ch2 linear": {"linear": "auto", "zonal": "reference"},
-    "+ ch5 zonal": {"linear": "auto", "zonal": "fused"},
+    "+ ch2 linear": {"linear": "auto", "edge_frame": "reference", "zonal": "reference"},
+    "+ ch3 edge_frame": {
+        "linear": "auto",
+        "edge_frame": "packed",
+        "zonal": "reference",
+    },
+    "+ ch5 zonal": {"linear": "auto", "edge_frame": "packed", "zonal": "fused"},
     "library defaults": {},
 }
 #: The compiled rows: label -> the options their model is compiled and run under.
@@ -83,8 +92,8 @@ class _Table:
 
 
 def _paths(model, inputs) -> dict:
-    """The EquivariantLinear plan and the zonal path the current options give this
-    model's step."""
+    """The EquivariantLinear plan, the edge-frame path and the zonal path the current
+    options give this model's step."""
     from .. import linear
 
     pos = inputs[0]
@@ -97,7 +106,8 @@ def _paths(model, inputs) -> dict:
     except (AttributeError, IndexError):
         plan = ""
     zonal = "fused" if options.zonal_fused(pos.device.type) else "reference"
-    return {"linear": plan, "zonal": zonal}
+    edge = options.edge_frame_path(pos.device.type)
+    return {"linear": plan, "edge_frame": edge, "zonal": zonal}
 
 
 def _row(table, label, model, inputs, n_atoms, rep_ms, info, extra=None) -> None:
