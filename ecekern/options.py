@@ -72,8 +72,7 @@ class Options:
             raise ValueError(f"zonal must be one of {ZONAL_PATHS}, got {self.zonal!r}")
         if self.edge_frame not in EDGE_FRAME_PATHS:
             raise ValueError(
-                f"edge_frame must be one of {EDGE_FRAME_PATHS}, got "
-                f"{self.edge_frame!r}"
+                f"edge_frame must be one of {EDGE_FRAME_PATHS}, got {self.edge_frame!r}"
             )
 
 

@@ -238,6 +238,11 @@ NCU_COUNTS = {
     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "smem_ld_wavefronts",
     "smsp__inst_executed.sum": "instructions",
     "smsp__inst_executed_pipe_fma.sum": "fma_instructions",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "l1tex_pct",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": "ld_sectors",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": "ld_requests",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": "st_sectors",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum": "st_requests",
 }
 
 

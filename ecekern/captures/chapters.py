@@ -9,11 +9,12 @@ Triton's interpreter, as a smoke test.
 
 from __future__ import annotations
 
-from . import linear, methodology, reference, zonal
+from . import edge_frame, linear, methodology, reference, zonal
 
 REGISTRY = {
     "methodology": methodology.capture,
     "01_reference": reference.capture,
     "02_linear": linear.capture,
+    "03_edge_frame": edge_frame.capture,
     "05_zonal": zonal.capture,
 }

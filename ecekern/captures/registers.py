@@ -167,6 +167,56 @@ def zonal_gather(L: int, C: int, block_e: int, warps: int) -> dict:
     return resource_usage(k, types, const, warps)
 
 
+def edge_frame_table(L: int = 2, C: int = 32, dtype: str = "fp32") -> list[dict]:
+    """Resource usage of chapter 3's four kernels, table and packed, at the library's
+    launch (``edge_frame.EdgeFrameLaunch()``), for sm_90."""
+    from .. import edge_frame as ef
+
+    launch = ef.EdgeFrameLaunch()
+    acc = triton.language.float64 if dtype == "fp64" else triton.language.float32
+    base = {
+        "L": L,
+        "NA": L + 1,
+        "NA_PAD": triton.next_power_of_2(L + 1),
+        "C_PAD": triton.next_power_of_2(C),
+        "ACC": acc,
+    }
+    S_PAD = triton.next_power_of_2((L + 1) ** 2)
+    kernels = {
+        "rotate_fwd": (ef._rotate_fwd_kernel, launch.rotate_block,
+                       launch.rotate_warps, {"SIDE": 1, "PERM": True, "HAS_RHO": True}),
+        "rotate_bwd": (ef._rotate_bwd_kernel, launch.rotate_bwd_block,
+                       launch.rotate_bwd_warps, {"SIDE": 1, "PERM": True,
+                                                 "HAS_RHO": True, "S_PAD": S_PAD}),
+        "unrotate_fwd": (ef._unrotate_fwd_kernel, launch.unrotate_block,
+                         launch.unrotate_warps, {"HAS_W": True, "S_PAD": S_PAD}),
+        "unrotate_bwd": (ef._unrotate_bwd_kernel, launch.unrotate_bwd_block,
+                         launch.unrotate_bwd_warps, {"HAS_W": True, "NEED_D": True,
+                                                     "NEED_W": True}),
+    }  # fmt: skip
+    rows = []
+    for name, (k, block, warps, extra) in kernels.items():
+        for packed in (False, True):
+            types = {n: f"*{dtype}" for n in k.arg_names if n.endswith("_ptr")}
+            types.update(tab_ptr="*i32", ptr_ptr="*i64", perm_ptr="*i64")
+            types.update(scale_hi="fp32", scale_lo="fp32")
+            const = base | extra | {"BLOCK_E": block, "PACKED": packed}
+            use = resource_usage(k, types, const, warps)
+            rows.append(
+                {
+                    "kernel": name,
+                    "variant": "packed" if packed else "table",
+                    "dtype": dtype,
+                    "L": L,
+                    "C": C,
+                    "block_e": block,
+                    "warps": warps,
+                    **use,
+                }  # fmt: skip
+            )
+    return rows
+
+
 #: The edge gather's launch in chapter 5's first capture: BLOCK_E 16
 #: at every shape, 2 warps.
 FIXED_LAUNCH = (16, 2)

@@ -59,6 +59,30 @@ def force_step(repeats: int = 4):
         _in_range(lambda: step(model, *inputs))
 
 
+def edge_frame(rep: int = 8):
+    """Chapter 3's kernels at 365k edges, fp32: for the table variant, then the
+    packed one, the rotation (two sides), the unrotation forward and backward, the
+    rotation's backward (two sides): ``captures.edge_frame.NCU_ORDER``."""
+    from ecekern.captures.edge_frame import _frames, _ops, step_tensors
+
+    t = step_tensors(rep, dev="cuda")
+    runs = []
+    for variant in ("table", "packed"):
+        ops = _ops(_frames(t, variant), t)
+        runs.append(ops)
+    for _ in range(2):  # warm up (compiles)
+        for ops in runs:
+            for f in ops.values():
+                f()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("ece")
+    for ops in runs:
+        for name in ("rotate_fwd", "unrotate_fwd", "unrotate_bwd", "rotate_bwd"):
+            ops[name]()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def _eqlin_inputs(E: int, F: int, n_ang: int):
     """``(label, tf32, [x_cos, x_sin], w, b)`` on the GPU in strict fp32, TF32 and
     bf16, with TF32 switched on for its turn and off after: the inputs of the
@@ -162,6 +186,7 @@ TARGETS = {
     "eqlin_triton": eqlin_triton,
     "eqlin_dense": eqlin_dense,
     "zonal_fused": zonal_fused,
+    "edge_frame": edge_frame,
 }
 
 if __name__ == "__main__":

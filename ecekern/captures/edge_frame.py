@@ -1,0 +1,399 @@
+"""Chapter 3's capture: the edge-frame kernels, table against packed, and the step.
+
+Parts (``parts``, comma-separated), on the model's own tensors (the book's model,
+L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 47k and 365k edges):
+
+* ``launch`` -> launch_sweep.csv: ``EdgeFrameLaunch`` variants (edges per loop step
+  and warps) of the four packed kernels at 365k edges, fp32, each timed by CUDA-graph
+  replay and checked against float64; the same launches at 47k edges;
+* ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
+  the aggregation) forward and backward, reference / table / packed, its GPU time,
+  the bytes model and the floor, and the packing's own cost;
+* ``steps`` -> steps.csv, stages.csv, profile_*: the force step at 512 and 4096 atoms
+  with chapters 2 and 5 on, the edge frame by the reference, the table kernels and
+  the packed kernels: time, peak memory, and the forward and backward time by stage
+  (the profiler) at 4096 atoms;
+* ``ncu`` -> ncu_edge_frame.csv: the kernels at 365k edges, table then packed (the
+  order of :func:`ecekern.captures.targets.edge_frame`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import torch
+
+from .. import bench, options
+from .common import (
+    LaunchCase,
+    ceilings,
+    device,
+    free,
+    launch_sweep,
+    parse_parts,
+    profile_table,
+    rel_err_gpu,
+    run_ncu,
+)
+
+__all__ = ["capture", "step_tensors"]
+
+PARTS = ("launch", "kernels", "steps", "ncu")
+#: The kernels in the order the ncu target runs them, per variant (the rotations
+#: launch once per side).
+NCU_ORDER = (
+    "rotate_fwd dst",
+    "rotate_fwd src",
+    "unrotate_fwd",
+    "unrotate_bwd",
+    "rotate_bwd dst",
+    "rotate_bwd src",
+)
+
+
+def capture(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "launch,kernels,steps,ncu",
+    boxes: str | None = None,
+) -> dict:
+    """Chapter 3 (module docstring). On a CPU the parts run at a tiny size in
+    Triton's interpreter, as a smoke test (no steps, no ncu)."""
+    from .. import edge_frame
+
+    todo = parse_parts(parts, PARTS)
+    dev = device()
+    info: dict = {"parts": sorted(todo), "launch": repr(edge_frame.EdgeFrameLaunch())}
+    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
+    # each part on its own: one that fails says so in the manifest, the rest still run
+    for part, fn in (
+        ("launch", lambda: _launch(out, reps, dev)),
+        ("kernels", lambda: _kernels(out, reps)),
+        ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
+    ):
+        if part not in todo:
+            continue
+        if part == "steps" and dev != "cuda":
+            info["steps"] = "skipped: no GPU"
+            continue
+        try:
+            info[part] = fn()
+        except Exception as exc:
+            info[part] = f"failed: {exc!r}"[:500]
+            print(part, "failed:", repr(exc), flush=True)
+        free()
+    if dev == "cuda" and ncu and "ncu" in todo:
+        info["ncu_order"] = [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER]
+        info["ncu_edge_frame"] = run_ncu("edge_frame", out / "ncu_edge_frame.csv")
+    return info
+
+
+# --------------------------------------------------------------------------------------
+# the step's tensors
+# --------------------------------------------------------------------------------------
+def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
+    """The edge-frame ops' inputs at the model's shapes on ``diamond(rep)``: the real
+    graph and edge frames, random features (h, rho, y) and the envelope as w."""
+    import ecekern
+    from ecekern import reference, so3
+    from ecekern.graph import edge_vectors
+    from ecekern.model import prepare_inputs
+
+    dev = dev or device()
+    cfg = ecekern.ECEConfig()
+    if dev != "cuda":  # the interpreter: a small model
+        cfg = ecekern.ECEConfig(channels=4)
+    pos, _, graph = prepare_inputs(ecekern.systems.diamond(rep), cfg.cutoff, dtype, dev)
+    r = edge_vectors(pos, graph)
+    d = torch.linalg.vector_norm(r, dim=-1)
+    L, M, C, E, N = cfg.lmax, cfg.M, cfg.channels, graph.n_edges, pos.shape[0]
+    g = torch.Generator(device=dev).manual_seed(rep)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype, generator=g)
+
+    return {
+        "L": L,
+        "M": M,
+        "C": C,
+        "E": E,
+        "N": N,
+        "graph": graph,
+        "D": so3.edge_frames(L, r),
+        "h": rnd(N, cfg.S, C),
+        "rho": rnd(E, cfg.F),
+        "y_cos": rnd(E, C * (L + 1), M + 1),
+        "y_sin": rnd(E, C * (L + 1), M + 1),
+        "w": reference.envelope(d, cfg.cutoff),
+        "G": rnd(N, cfg.S, C),
+        "scale": cfg.scale,
+    }
+
+
+def _double(t: dict) -> dict:
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in t.items()}  # fmt: skip
+
+
+def _frames(t: dict, variant: str, launch=None):
+    from .. import edge_frame
+
+    g = t["graph"]
+    kw = {"launch": launch} if launch is not None else {}
+    return edge_frame.Frames(t["D"], t["M"], g.src, g.dst, t["N"], g.row_ptr,
+                             variant, **kw)  # fmt: skip
+
+
+def _ops(fr, t: dict):
+    """The four launchers of one Frames object, each a no-argument callable."""
+    from .. import edge_frame as ef
+
+    d, tab, csr, L, M, p = fr.d, fr.tab, fr.csr, fr.L, fr.M, fr.packed
+    la = fr.launch
+    x = ef.rotate_fwd(t["h"], d, tab, t["rho"], csr, L, M, p, la)
+    gen = torch.Generator(device=x[0].device).manual_seed(11)  # the same in fp64
+    gx = [
+        torch.randn(v.shape, device=v.device, dtype=torch.float64, generator=gen).to(
+            v.dtype
+        )
+        for v in x
+    ]
+    rp = t["graph"].row_ptr
+    return {
+        "rotate_fwd": lambda: ef.rotate_fwd(
+            t["h"], d, tab, t["rho"], csr, L, M, p, la
+        ),  # fmt: skip
+        "rotate_bwd": lambda: ef.rotate_bwd(
+            *gx, t["h"], d, tab, t["rho"], csr, L, M, p, la
+        ),  # fmt: skip
+        "unrotate_fwd": lambda: ef.unrotate_fwd(
+            t["y_cos"], t["y_sin"], d, tab, t["w"], rp, t["scale"], L, M, p, la
+        ),  # fmt: skip
+        "unrotate_bwd": lambda: ef.unrotate_bwd(
+            t["G"],
+            t["y_cos"],
+            t["y_sin"],
+            d,
+            tab,
+            t["w"],
+            rp,
+            t["scale"],
+            L,
+            M,
+            p,
+            True,
+            True,
+            la,
+        ),  # fmt: skip
+    }
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --------------------------------------------------------------------------------------
+# launch sweep
+# --------------------------------------------------------------------------------------
+def _launch(out: Path, reps: list[int], dev: str) -> dict:
+    """launch_sweep.csv; returns the fastest launch per kernel at the largest box."""
+    from .. import edge_frame as ef
+
+    rows_best = {}
+    blocks, warps = ((2, 4, 8, 16), (4, 8)) if dev == "cuda" else ((4,), (1,))
+    for rep in reversed(reps):
+        t = step_tensors(rep)
+        t64 = _double(t)
+        truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
+        model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
+        bw = ceilings()["copy_GBps"]
+        cases = []
+        for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
+            floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
+            for be, w in itertools.product(blocks, warps):
+                f = kernel.replace("_fwd", "")
+                launch = dataclasses.replace(
+                    ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
+                )
+                keys = {"kernel": kernel, "E": t["E"], "block_e": be, "warps": w}
+                cols = {"floor_ms": floor, "bytes_floor": model[f"floor_{kernel}"]}
+                cases.append(LaunchCase(f"{kernel} {t['E']}", launch, keys,
+                                        columns=cols))  # fmt: skip
+        frames = {}
+
+        def run(case):
+            fr = frames.get(case.launch)
+            if fr is None:
+                fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
+            return _first(fr[case.keys["kernel"]]())
+
+        def check(case, got):
+            return rel_err_gpu(got, truth[case.keys["kernel"]])
+
+        name = "launch_sweep.csv" if rep == reps[-1] else f"launch_sweep_{rep}.csv"
+        best = launch_sweep(cases, run, check, out / name)
+        if rep == reps[-1]:
+            rows_best = {
+                k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()
+            }
+        t = t64 = truth = frames = None
+        free()
+    return rows_best
+
+
+# --------------------------------------------------------------------------------------
+# the ops, reference / table / packed
+# --------------------------------------------------------------------------------------
+def _kernels(out: Path, reps: list[int]) -> None:
+    """kernels.csv: each op's GPU time by variant, with the bytes model."""
+    from .. import edge_frame as ef
+    from .. import reference
+
+    bw = ceilings()["copy_GBps"]
+    rows: list[dict] = []
+    for rep in reps:
+        t = step_tensors(rep)
+        g = t["graph"]
+        L, M = t["L"], t["M"]
+        gx = [torch.randn(t["E"], 2 * t["C"] * (L + 1), M + 1, device=t["h"].device)
+              for _ in range(2)]  # fmt: skip
+
+        def ref_rotate():
+            xc, xs = reference.rotate_and_select(t["h"], g.src, g.dst, t["D"], M)
+            return xc * t["rho"][:, :, None], xs * t["rho"][:, :, None]
+
+        def ref_unrotate():
+            msg = reference.pack_and_unrotate(t["y_cos"], t["y_sin"], t["D"], M)
+            return reference.aggregate(msg, g.dst, t["N"], t["scale"], t["w"])
+
+        def leaf(*names):
+            return [t[n].detach().requires_grad_() for n in names]
+
+        def ref_rotate_fb():
+            h, D, rho = leaf("h", "D", "rho")
+            xc, xs = reference.rotate_and_select(h, g.src, g.dst, D, M)
+            torch.autograd.backward((xc * rho[:, :, None], xs * rho[:, :, None]), gx)
+
+        def ref_unrotate_fb():
+            yc, ys, D, w = leaf("y_cos", "y_sin", "D", "w")
+            msg = reference.pack_and_unrotate(yc, ys, D, M)
+            delta = reference.aggregate(msg, g.dst, t["N"], t["scale"], w)
+            delta.backward(t["G"])
+
+        timings = {
+            ("reference", "rotate"): (ref_rotate, ref_rotate_fb),
+            ("reference", "unrotate"): (ref_unrotate, ref_unrotate_fb),
+        }
+        for variant in ef.VARIANTS:
+            fr = _frames(t, variant)
+            ops = _ops(fr, t)
+            timings[(variant, "rotate")] = (
+                ops["rotate_fwd"],
+                lambda o=ops: (o["rotate_fwd"](), o["rotate_bwd"]()),
+            )
+            timings[(variant, "unrotate")] = (
+                ops["unrotate_fwd"],
+                lambda o=ops: (o["unrotate_fwd"](), o["unrotate_bwd"]()),
+            )
+        for (variant, op), (fwd, fb) in timings.items():
+            packed = variant == "packed"
+            model = ef.traffic(t["E"], t["N"], L, M, t["C"], 4, packed=packed)
+            key = "rotate" if op == "rotate" else "unrotate"
+            t_f = bench.time_graph(fwd) or bench.time_fn(fwd)
+            t_fb = bench.time_fn(fb) if variant == "reference" else (
+                bench.time_graph(fb) or bench.time_fn(fb))  # fmt: skip
+            floor_f = bench.floor_ms(model[f"floor_{key}_fwd"], 0, bw)
+            floor_fb = bench.floor_ms(
+                model[f"floor_{key}_fwd"] + model[f"floor_{key}_bwd"], 0, bw
+            )
+            rows.append(
+                {
+                    "op": op,
+                    "variant": variant,
+                    "n_atoms": t["N"],
+                    "E": t["E"],
+                    "forward_ms": t_f.median,
+                    "forward_p10_ms": t_f.p10,
+                    "forward_p90_ms": t_f.p90,
+                    "fwd_bwd_ms": t_fb.median,
+                    "backward_ms": t_fb.median - t_f.median,
+                    "floor_fwd_ms": floor_f,
+                    "floor_fwd_bwd_ms": floor_fb,
+                    "floor_fraction_fwd": floor_f / t_f.median,
+                    "floor_fraction_fwd_bwd": floor_fb / t_fb.median,
+                    "timer_fwd_bwd": "eager" if variant == "reference" else "graph",
+                    "message_MB": model["message_bytes"] / 1e6,
+                    **bench.provenance(torch.float32),
+                }
+            )
+            r = rows[-1]
+            print(op, variant, t["E"], f"fwd {r['forward_ms']:.3f} ms",
+                  f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)  # fmt: skip
+            bench.write_csv(rows, out / "kernels.csv")
+        t_pack = bench.time_graph(lambda: ef.pack(t["D"], M))
+        if t_pack is not None:
+            rows.append({"op": "pack", "variant": "packed", "n_atoms": t["N"],
+                         "E": t["E"], "forward_ms": t_pack.median,
+                         **bench.provenance(torch.float32)})  # fmt: skip
+            bench.write_csv(rows, out / "kernels.csv")
+        t = timings = None
+        free()
+
+
+# --------------------------------------------------------------------------------------
+# the force step
+# --------------------------------------------------------------------------------------
+STEP_OPTIONS = {
+    "reference": {"linear": "auto", "zonal": "fused", "edge_frame": "reference"},
+    "table": {"linear": "auto", "zonal": "fused", "edge_frame": "table"},
+    "packed": {"linear": "auto", "zonal": "fused", "edge_frame": "packed"},
+}
+
+
+def _steps(out: Path, reps: list[int]) -> None:
+    """steps.csv and stages.csv (chapters 2 and 5 on; the edge frame switched)."""
+    import ecekern
+    from ecekern.model import force_step, prepare_inputs
+
+    from .progress import _stages
+
+    cfg = ecekern.ECEConfig()
+    rows: list[dict] = []
+    stage_rows: list[dict] = []
+    for rep in reps:
+        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+        inputs = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        n = inputs[0].shape[0]
+        for variant, opts in STEP_OPTIONS.items():
+            with options.use(**opts):
+                step = lambda: force_step(model, *inputs)
+                t = bench.time_fn(step, rep_ms=400.0, min_reps=5)
+                mem = bench.peak_memory(step)
+                rows.append(
+                    {
+                        "edge_frame": variant,
+                        "n_atoms": n,
+                        "n_edges": inputs[2].n_edges,
+                        "step_ms": t.median,
+                        "step_p10_ms": t.p10,
+                        "step_p90_ms": t.p90,
+                        "reps": t.n,
+                        "peak_mem_MiB": mem / 2**20,
+                        **bench.provenance(torch.float32),
+                    }
+                )
+                ms, mib = f"{t.median:.2f} ms", f"{mem / 2**20:.0f} MiB"
+                print("step", variant, n, ms, mib, flush=True)
+                bench.write_csv(rows, out / "steps.csv")
+                if rep == reps[-1]:
+                    for r in _stages(variant, step, n, "cuda"):
+                        stage_rows.append({"edge_frame": variant, **r})
+                    bench.write_csv(stage_rows, out / "stages.csv")
+                    profile_table(step, out, f"profile_force_{n}_{variant}")
+        model = inputs = None
+        free()
