@@ -29,10 +29,10 @@ ONCE = [
     ("initial embedding", "zonal scatter\ninto h0 (N, S, C)", ORANGE, "ch 5"),
 ]
 LAYER = [
-    ("rotate &\nselect", "features into\nthe edge frame", GREEN, "planned"),
+    ("rotate &\nselect", "features into\nthe edge frame", GREEN, "ch 3"),
     ("mixing\nstack", "gated\nEquivariantLinear", GREEN, "ch 2"),
-    ("pack &\nunrotate", "back to the\nglobal frame", GREEN, "planned"),
-    ("aggregate\n& update", "sum over\nneighbours", GREEN, "planned"),
+    ("pack &\nunrotate", "back to the\nglobal frame", GREEN, "ch 3"),
+    ("aggregate\n& update", "sum over\nneighbours", GREEN, "ch 3"),
 ]
 READOUT = ("readout", "MLP gives E;\nF = -dE/dx", PURPLE, None)
 
