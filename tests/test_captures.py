@@ -139,7 +139,7 @@ def test_load_errors_clearly(tmp_path):
 def test_registry_is_keyed_by_the_chapter_slugs():
     from ecekern.captures import chapters
 
-    slugs = {"methodology", "01_reference", "02_linear", "05_zonal"}
+    slugs = {"methodology", "01_reference", "02_linear", "03_edge_frame", "05_zonal"}
     assert set(chapters.REGISTRY) == slugs
     for slug in chapters.REGISTRY:
         assert (captures.capture_root() / slug / "manifest.json").is_file()
@@ -325,7 +325,9 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
         assert r["n_atoms"] == "8"
     ref = rows[0]
     assert ref["options"].startswith("Options(reference=True")
-    assert rows[2]["zonal"] == "fused" and rows[1]["zonal"] == "reference"
+    assert rows[1]["zonal"] == "reference" and rows[1]["edge_frame"] == "reference"
+    assert rows[2]["zonal"] == "reference" and rows[2]["edge_frame"] == "packed"
+    assert rows[3]["zonal"] == "fused" and rows[3]["edge_frame"] == "packed"
     assert info["library_defaults"] == repr(ecekern.options.current())
     for label in progress.COMPILED:
         assert info[f"progress: {label}, 8 atoms, fp32"].startswith("skipped")
