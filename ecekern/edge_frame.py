@@ -35,10 +35,12 @@ Gradients (G = dLoss/dDelta, g_t = dLoss/dx_t), each from one merged kernel per 
     dw[e]          = k sum_{t, c', l, m} y_t T_t
 
 dP reaches D (and the forces) through the packing gather's backward; the table
-variant stores dD directly. A second derivative (a force-training step) recomputes
-the op in differentiable PyTorch (:func:`rotate_torch`, :func:`unrotate_torch`).
+variant stores dD directly. Saved for the backward: the inputs; the rotation's
+pre-modulation value x0 (for drho) is recomputed. A second derivative (a
+force-training step) recomputes the op in differentiable PyTorch (:func:`rotate_torch`,
+:func:`unrotate_torch`), with ``index_add_``: no atomics-free guarantee there.
 
-Bytes (fp32, L = 2, C = 32, E = 365k): the rotation writes x (1.68 GB) and reads P
+Bytes (fp32, L = M = 2, C = 32, E = 365k): the rotation writes x (1.68 GB) and reads P
 twice (0.16 GB) and rho; the unrotation reads y (0.84 GB) and P and writes node rows.
 
 Status: fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32 accumulation), L = 1..4,
@@ -398,7 +400,7 @@ def _unrotate_bwd_kernel(
 class EdgeFrameLaunch:
     """Edges per loop step (``*_block``) and warps per program of the four kernels.
     One fixed choice, so results are the same bits in every process: the fastest of
-    chapter 3's launch sweep at 365k edges (L = 2, C = 32, fp32, H200)."""
+    the launch sweep at 365k edges (L = 2, C = 32, fp32)."""
 
     rotate_block: int = 2
     rotate_warps: int = 4
@@ -821,30 +823,22 @@ class Frames:
             (the model's graph); None builds a permutation (sorted by ``dst``).
         variant: ``"packed"`` or ``"table"``.
         launch: the kernels' :class:`EdgeFrameLaunch`.
+        validate: check the index values (host synchronisations): src and dst in
+            [0, N), row_ptr the CSR pointer of dst. The model's graph is consistent by
+            construction and skips them.
+
+    D must be block-diagonal over degrees (a Wigner matrix): the kernels read its
+    blocks only, so a D with entries off the blocks gives another result than the
+    reference.
     """
 
     def __init__(self, D, mmax: int, src, dst, n_nodes: int, row_ptr=None,
                  variant: str = "packed",
-                 launch: EdgeFrameLaunch = EdgeFrameLaunch()):  # fmt: skip
+                 launch: EdgeFrameLaunch = EdgeFrameLaunch(),
+                 validate: bool = True):  # fmt: skip
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        reference._float("D", D)
-        if D.ndim != 3 or D.shape[1] != D.shape[2]:
-            raise ValueError(f"D must have shape (E, S, S), got {tuple(D.shape)}")
-        S = D.shape[-1]
-        L = math.isqrt(S) - 1
-        if (L + 1) ** 2 != S:
-            raise ValueError(f"D's S = {S} is not (L+1)^2")
-        if not (isinstance(mmax, int) and 0 <= mmax <= L):
-            raise ValueError(f"mmax must be an int in [0, L={L}], got {mmax!r}")
-        E = D.shape[0]
-        for name, t in (("src", src), ("dst", dst)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
-                raise TypeError(f"{name} must be an int64 tensor")
-            if t.shape != (E,):
-                raise ValueError(f"{name} must have shape ({E},), got {tuple(t.shape)}")
-            if t.device != D.device:
-                raise ValueError(f"{name} is on {t.device}, D on {D.device}")
+        L = _check_graph(D, mmax, src, dst, n_nodes, row_ptr, validate)
         self.L, self.M, self.n_nodes = L, mmax, int(n_nodes)
         self.packed, self.launch = variant == "packed", launch
         self.variant = variant
@@ -852,30 +846,26 @@ class Frames:
         self.d = pack(D, mmax) if self.packed else D.contiguous()
         self.tab = tables(L, mmax, D.device)
         nodes = torch.arange(self.n_nodes + 1, device=D.device)
+        # clamped: every edge lies in one segment of each side, so every output row
+        # is written even for indices that were not validated (wrong, never unset)
+        top = max(self.n_nodes - 1, 0)
         if row_ptr is None:
-            order = torch.sort(self.dst, stable=True)
+            order = torch.sort(self.dst.clamp(0, top), stable=True)
             perm_dst, ptr_dst = order.indices, torch.searchsorted(order.values, nodes)
             self.row_ptr = None
         else:
             perm_dst, ptr_dst = None, row_ptr.contiguous()
             self.row_ptr = ptr_dst
-        order = torch.sort(self.src, stable=True)
+        order = torch.sort(self.src.clamp(0, top), stable=True)
         self.csr = (ptr_dst, perm_dst, torch.searchsorted(order.values, nodes),
                     order.indices)  # fmt: skip
 
     def rotate_and_select(self, h, rho=None):
         """``(x_cos, x_sin)`` as :func:`ecekern.reference.rotate_and_select`, each
         feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given."""
-        N, S, C = _check_h(h, self.n_nodes, self.L)
+        _check_h(h, self.n_nodes, self.L)
         reference._same("h", h, D=self.d)
-        if rho is not None:
-            reference._same("h", h, rho=rho)
-            F = 2 * C * (self.L + 1)
-            if rho.shape != (self.d.shape[0], F):
-                raise ValueError(
-                    f"rho must have shape (E, 2C(L+1)) = ({self.d.shape[0]}, {F}), "
-                    f"got {tuple(rho.shape)}"
-                )
+        _check_rho(h, rho, self.d.shape[0], self.L)
         return _RotateFn.apply(
             h.contiguous(), self.d, rho, self.tab, self.src, self.dst, self.csr,
             self.L, self.M, self.packed, self.launch,
@@ -887,19 +877,49 @@ class Frames:
         if self.row_ptr is None:
             raise ValueError("unrotate_and_aggregate needs Frames built with row_ptr")
         _check_y(y_cos, y_sin, self.d, self.L, self.M)
+        _check_w(y_cos, edge_weight)
         if edge_weight is not None:
-            reference._same("y_cos", y_cos, edge_weight=edge_weight)
-            if edge_weight.shape != (y_cos.shape[0],):
-                raise ValueError(
-                    f"edge_weight must have shape ({y_cos.shape[0]},), "
-                    f"got {tuple(edge_weight.shape)}"
-                )
             edge_weight = edge_weight.contiguous()
         return _UnrotateFn.apply(
             y_cos.contiguous(), y_sin.contiguous(), self.d, edge_weight, self.tab,
             self.dst, self.row_ptr, float(scale), self.L, self.M, self.packed,
             self.launch,
         )  # fmt: skip
+
+
+def _check_graph(D, mmax, src, dst, n_nodes, row_ptr, validate: bool) -> int:
+    """D, mmax, src, dst and row_ptr of :class:`Frames`; returns L."""
+    reference._float("D", D)
+    if D.ndim != 3 or D.shape[1] != D.shape[2]:
+        raise ValueError(f"D must have shape (E, S, S), got {tuple(D.shape)}")
+    S = D.shape[-1]
+    L = math.isqrt(S) - 1
+    if (L + 1) ** 2 != S:
+        raise ValueError(f"D's S = {S} is not (L+1)^2")
+    if isinstance(mmax, bool) or not (isinstance(mmax, int) and 0 <= mmax <= L):
+        raise ValueError(f"mmax must be an int in [0, L={L}], got {mmax!r}")
+    if isinstance(n_nodes, bool) or not isinstance(n_nodes, (int, torch.SymInt)):
+        raise ValueError(f"n_nodes must be an int >= 0, got {n_nodes!r}")
+    if n_nodes < 0:
+        raise ValueError(f"n_nodes must be an int >= 0, got {n_nodes!r}")
+    E = D.shape[0]
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an int64 tensor, got {got}")
+        if t.shape != (E,):
+            raise ValueError(f"{name} must have shape ({E},), got {tuple(t.shape)}")
+        if t.device != D.device:
+            raise ValueError(f"{name} is on {t.device}, D on {D.device}")
+    values = validate and not torch.compiler.is_compiling()
+    if row_ptr is not None:
+        n = reference.check_csr(dst, row_ptr, E, D.device, values=values)
+        if n != n_nodes:
+            raise ValueError(f"row_ptr has {n} nodes, n_nodes is {n_nodes}")
+    for name, t in (("src", src), ("dst", dst)):
+        if values and E and (bool(t.min() < 0) or bool(t.max() >= n_nodes)):
+            raise ValueError(f"{name} has node indices outside [0, N = {n_nodes})")
+    return L
 
 
 def _check_h(h, n_nodes: int, L: int):
@@ -910,6 +930,29 @@ def _check_h(h, n_nodes: int, L: int):
             f"got {tuple(h.shape)}"
         )
     return h.shape
+
+
+def _check_rho(h, rho, E: int, L: int) -> None:
+    if rho is None:
+        return
+    reference._float("rho", rho)
+    reference._same("h", h, rho=rho)
+    F = 2 * h.shape[2] * (L + 1)
+    if rho.shape != (E, F):
+        raise ValueError(
+            f"rho must have shape (E, 2C(L+1)) = ({E}, {F}), got {tuple(rho.shape)}"
+        )
+
+
+def _check_w(y_cos, w) -> None:
+    if w is None:
+        return
+    reference._float("edge_weight", w)
+    reference._same("y_cos", y_cos, edge_weight=w)
+    if w.shape != (y_cos.shape[0],):
+        raise ValueError(
+            f"edge_weight must have shape ({y_cos.shape[0]},), got {tuple(w.shape)}"
+        )
 
 
 def _check_y(y_cos, y_sin, d, L: int, M: int) -> None:
@@ -945,39 +988,40 @@ def _path(device_type: str, L: int, variant: str | None) -> str:
 
 
 def frames_for(D, mmax, src, dst, n_nodes, row_ptr, variant=None) -> Frames | None:
-    """The model's per-step :class:`Frames`, or None where the reference runs (the
-    options say so, or the kernels cannot serve: a one-time warning)."""
+    """The model's per-step :class:`Frames` (its graph is consistent by construction:
+    not validated), or None where the reference runs (the options say so, or the
+    kernels cannot serve: a one-time warning)."""
     L = math.isqrt(D.shape[-1]) - 1
     path = _path(D.device.type, L, variant)
     if path == "reference":
         return None
-    return Frames(D, mmax, src, dst, n_nodes, row_ptr, path)
+    return Frames(D, mmax, src, dst, n_nodes, row_ptr, path, validate=False)
 
 
 def rotate_and_select(h, src, dst, D, mmax: int, rho=None, *, variant=None,
                       validate: bool = True):  # fmt: skip
     """:func:`ecekern.reference.rotate_and_select`, fused, with the radial modulation
     ``rho (E, 2C(L+1))`` folded into the store when given. ``variant`` overrides the
-    options' ``edge_frame`` (``"table"``, ``"packed"``, ``"reference"``).
-    ``validate=False`` skips the host-synchronising range check of src and dst."""
-    L = math.isqrt(D.shape[-1]) - 1 if isinstance(D, torch.Tensor) else 0
-    _check_h(h, h.shape[0] if isinstance(h, torch.Tensor) else 0, L)
-    N = h.shape[0]
-    if validate and not torch.compiler.is_compiling():
-        for name, t in (("src", src), ("dst", dst)):
-            if (
-                isinstance(t, torch.Tensor)
-                and t.numel()
-                and (bool(t.min() < 0) or bool(t.max() >= N))
-            ):
-                raise ValueError(f"{name} has node indices outside [0, N = {N})")
+    options' ``edge_frame`` (``"table"``, ``"packed"``, ``"reference"``). D must be
+    block-diagonal over degrees (a Wigner matrix; its other entries are not read).
+    ``validate=False`` skips the host-synchronising range check of src and dst (an
+    index out of range then gives wrong rows, never an out-of-bounds access). The
+    same checks and errors on every path."""
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+    reference._float("D", D)
+    L = _check_graph(D, mmax, src, dst, h.shape[0], None, validate)
+    _check_h(h, h.shape[0], L)
+    reference._same("h", h, D=D)
+    _check_rho(h, rho, D.shape[0], L)
     path = _path(h.device.type, L, variant)
     if path == "reference":
         x_cos, x_sin = reference.rotate_and_select(h, src, dst, D, mmax)
         if rho is not None:
             x_cos, x_sin = x_cos * rho[:, :, None], x_sin * rho[:, :, None]
         return x_cos, x_sin
-    return Frames(D, mmax, src, dst, N, None, path).rotate_and_select(h, rho)
+    frames = Frames(D, mmax, src, dst, h.shape[0], None, path, validate=False)
+    return frames.rotate_and_select(h, rho)
 
 
 def unrotate_and_aggregate(y_cos, y_sin, D, mmax: int, dst, row_ptr, scale: float,
@@ -985,17 +1029,20 @@ def unrotate_and_aggregate(y_cos, y_sin, D, mmax: int, dst, row_ptr, scale: floa
                            validate: bool = True):  # fmt: skip
     """``reference.aggregate(reference.pack_and_unrotate(y_cos, y_sin, D, mmax), dst,
     N, scale, edge_weight)``, fused: the ``(E, S, C')`` message is never stored.
-    ``dst`` sorted with its CSR pointer ``row_ptr``; ``validate=False`` skips the
-    CSR's host-synchronising value checks (the kernels clamp every index)."""
-    values = validate and not torch.compiler.is_compiling()
+    ``dst`` sorted with its CSR pointer ``row_ptr``; D block-diagonal over degrees.
+    ``validate=False`` skips the CSR's host-synchronising value checks (the kernels
+    clamp every index). The same checks and errors on every path."""
     reference._float("D", D)
+    values = validate and not torch.compiler.is_compiling()
     n = reference.check_csr(dst, row_ptr, D.shape[0], D.device, values=values)
-    L = math.isqrt(D.shape[-1]) - 1
+    L = _check_graph(D, mmax, dst, dst, n, row_ptr, False)
+    _check_y(y_cos, y_sin, D, L, mmax)
+    _check_w(y_cos, edge_weight)
     path = _path(D.device.type, L, variant)
     if path == "reference":
         msg = reference.pack_and_unrotate(y_cos, y_sin, D, mmax)
         return reference.aggregate(msg, dst, n, scale, edge_weight)
-    frames = Frames(D, mmax, dst, dst, n, row_ptr, path)
+    frames = Frames(D, mmax, dst, dst, n, row_ptr, path, validate=False)
     return frames.unrotate_and_aggregate(y_cos, y_sin, scale, edge_weight)
 
 

@@ -92,8 +92,9 @@ CASES = [
     (19, 4, 4, 4, 2, 3),
     (23, 5, 3, 3, 17, 1),
     (1, 1, 2, 2, 2, 2),
+    (21, 4, 2, 0, 3, 2),
 ]
-IDS = ["L2", "L1", "L3-M1", "L4", "C17", "one-edge"]
+IDS = ["L2", "L1", "L3-M1", "L4", "C17", "one-edge", "M0"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -282,12 +283,14 @@ def test_gradients_of_h_rho_and_w_by_gradcheck():
         "D-not-square-of-L",
     ],  # fmt: skip
 )
-def test_bad_inputs_rotate(change, err):
+@pytest.mark.parametrize("variant", ["packed", "reference"])
+def test_bad_inputs_rotate(change, err, variant):
+    """The same errors whichever path serves the call."""
     leaves, (src, dst, _) = _inputs(12, 4, 2, 2, 3, 2)
     a = dict(h=leaves[0], src=src, dst=dst, D=leaves[1], mmax=2, rho=leaves[2])
     change(a)
     with pytest.raises(err):
-        edge_frame.rotate_and_select(**a, variant="packed")
+        edge_frame.rotate_and_select(**a, variant=variant)
 
 
 @pytest.mark.parametrize(
@@ -308,6 +311,43 @@ def test_bad_inputs_unrotate(change, err):
     change(a)
     with pytest.raises(err):
         edge_frame.unrotate_and_aggregate(**a, variant="packed")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: a.update(row_ptr=a["row_ptr"][:2]),
+        lambda a: a.update(row_ptr=a["row_ptr"].double()),
+        lambda a: a.update(dst=a["dst"].flip(0)),
+        lambda a: a.update(src=a["src"] - 1),
+        lambda a: a.update(n_nodes=5),
+    ],
+    ids=["row-ptr-short", "row-ptr-float", "dst-unsorted", "src-negative", "n-nodes"],
+)
+def test_frames_check_their_graph(change):
+    leaves, (src, dst, row_ptr) = _inputs(12, 4, 2, 2, 3, 2)
+    a = dict(D=leaves[1], mmax=2, src=src, dst=dst, n_nodes=4, row_ptr=row_ptr)
+    change(a)
+    with pytest.raises((ValueError, TypeError)):
+        edge_frame.Frames(**a)
+
+
+def test_unvalidated_indices_out_of_range_write_every_row():
+    """Indices out of range, not validated: wrong rows, but every row written (no
+    uninitialised memory) and no out-of-bounds access."""
+    leaves, (src, dst, _) = _inputs(12, 4, 2, 2, 3, 2)
+    bad = src.clone()
+    bad[3] = 7
+    for _ in range(2):  # fresh allocations reuse freed memory: garbage would show
+        x = edge_frame.rotate_and_select(
+            leaves[0], bad, dst, leaves[1], 2, variant="packed", validate=False
+        )
+        assert all(bool(torch.isfinite(t).all()) for t in x)
+        good = edge_frame.rotate_and_select(
+            leaves[0], src, dst, leaves[1], 2, variant="packed"
+        )
+        keep = torch.arange(12, device=DEV) != 3
+        assert torch.equal(x[0][keep], good[0][keep])
 
 
 def test_unvalidated_bad_csr_never_reads_out_of_bounds():

@@ -1,11 +1,11 @@
 """Chapter 3's capture: the edge-frame kernels, table against packed, and the step.
 
 Parts (``parts``, comma-separated), on the model's own tensors (the book's model,
-L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 47k and 365k edges):
+L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
 * ``launch`` -> launch_sweep.csv: ``EdgeFrameLaunch`` variants (edges per loop step
   and warps) of the four packed kernels at 365k edges, fp32, each timed by CUDA-graph
-  replay and checked against float64; the same launches at 47k edges;
+  replay and checked against float64; the same launches at 46k edges;
 * ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
   the aggregation) forward and backward, reference / table / packed, its GPU time,
   the bytes model and the floor, and the packing's own cost;
