@@ -43,10 +43,12 @@ force-training step) recomputes the op in differentiable PyTorch (:func:`rotate_
 Bytes (fp32, L = M = 2, C = 32, E = 365k): the rotation writes x (1.68 GB) and reads P
 twice (0.16 GB) and rho; the unrotation reads y (0.84 GB) and P and writes node rows.
 
-Status: fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32 accumulation), L = 1..4,
+Status: fp64 (fp64 accumulation) and fp32 (fp32 accumulation), L = 1..4,
 M <= L, any C, E = 0, nodes without edges, any strides (made contiguous), int64
 offsets; D must be block-diagonal over degrees (a Wigner matrix): the entries off the
-blocks are not read and get no gradient.
+blocks are not read and get no gradient. Half precisions fall back to the reference,
+loudly (not validated: the two side launches would round dh and dP to 16 bits between
+them).
 """
 
 from __future__ import annotations
@@ -801,11 +803,14 @@ def _torch_grads(fn, inputs, needs, grads):
 # --------------------------------------------------------------------------------------
 # the per-step frames object and the public functions
 # --------------------------------------------------------------------------------------
-def why_not(device_type: str, L: int) -> str | None:
-    """Why the kernels cannot serve tensors on ``device_type`` at degree L, or None."""
+def why_not(device_type: str, L: int, dtype=torch.float32) -> str | None:
+    """Why the kernels cannot serve ``dtype`` tensors on ``device_type`` at degree L,
+    or None."""
     reason = why_not_triton(device_type)
     if reason is None and not 1 <= L <= 4:
         reason = f"L = {L} is outside 1..4"
+    if reason is None and dtype not in (torch.float32, torch.float64):
+        reason = f"{dtype} is not validated (float32 and float64 are)"
     return reason
 
 
@@ -973,14 +978,15 @@ def _check_y(y_cos, y_sin, d, L: int, M: int) -> None:
         )
 
 
-def _path(device_type: str, L: int, variant: str | None) -> str:
-    """``reference``, ``table`` or ``packed`` for tensors on ``device_type``: the
-    options' choice (or ``variant``), and the reference, loudly, where the kernels
-    cannot serve."""
+def _path(like: torch.Tensor, L: int, variant: str | None) -> str:
+    """``reference``, ``table`` or ``packed`` for tensors like ``like``: the options'
+    choice (or ``variant``), and the reference, loudly, where the kernels cannot
+    serve."""
+    device_type = like.device.type
     path = options.edge_frame_path(device_type) if variant is None else variant
     if path == "reference" or options.current().reference:
         return "reference"
-    reason = why_not(device_type, L)
+    reason = why_not(device_type, L, like.dtype)
     if reason is not None:
         options.fallback("edge_frame", reason)
         return "reference"
@@ -992,7 +998,7 @@ def frames_for(D, mmax, src, dst, n_nodes, row_ptr, variant=None) -> Frames | No
     not validated), or None where the reference runs (the options say so, or the
     kernels cannot serve: a one-time warning)."""
     L = math.isqrt(D.shape[-1]) - 1
-    path = _path(D.device.type, L, variant)
+    path = _path(D, L, variant)
     if path == "reference":
         return None
     return Frames(D, mmax, src, dst, n_nodes, row_ptr, path, validate=False)
@@ -1014,7 +1020,7 @@ def rotate_and_select(h, src, dst, D, mmax: int, rho=None, *, variant=None,
     _check_h(h, h.shape[0], L)
     reference._same("h", h, D=D)
     _check_rho(h, rho, D.shape[0], L)
-    path = _path(h.device.type, L, variant)
+    path = _path(h, L, variant)
     if path == "reference":
         x_cos, x_sin = reference.rotate_and_select(h, src, dst, D, mmax)
         if rho is not None:
@@ -1038,7 +1044,7 @@ def unrotate_and_aggregate(y_cos, y_sin, D, mmax: int, dst, row_ptr, scale: floa
     L = _check_graph(D, mmax, dst, dst, n, row_ptr, False)
     _check_y(y_cos, y_sin, D, L, mmax)
     _check_w(y_cos, edge_weight)
-    path = _path(D.device.type, L, variant)
+    path = _path(D, L, variant)
     if path == "reference":
         msg = reference.pack_and_unrotate(y_cos, y_sin, D, mmax)
         return reference.aggregate(msg, dst, n, scale, edge_weight)

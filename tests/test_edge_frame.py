@@ -369,6 +369,16 @@ def test_degree_outside_the_kernels_falls_back_loudly():
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def test_half_precision_falls_back_loudly():
+    leaves, (src, dst, _) = _inputs(6, 3, 1, 1, 2, 2)
+    h, D = leaves[0].detach().bfloat16(), leaves[1].detach().bfloat16()
+    options.reset_fallback_warnings()
+    with pytest.warns(options.FallbackWarning, match="bfloat16"):
+        got = edge_frame.rotate_and_select(h, src, dst, D, 1, variant="packed")
+    ref = reference.rotate_and_select(h, src, dst, D, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_the_option_and_the_reference_switch():
     with options.use(edge_frame="table"):
         assert options.edge_frame_path("cpu") == "table"
