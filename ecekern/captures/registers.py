@@ -171,6 +171,7 @@ def edge_frame_table(L: int = 2, C: int = 32, dtype: str = "fp32") -> list[dict]
     """Resource usage of chapter 3's four kernels, table and packed, at the library's
     launch (``edge_frame.EdgeFrameLaunch()``), for sm_90."""
     from .. import edge_frame as ef
+    from ..edge_frame import kernels as efk
 
     launch = ef.EdgeFrameLaunch()
     acc = triton.language.float64 if dtype == "fp64" else triton.language.float32
@@ -183,14 +184,14 @@ def edge_frame_table(L: int = 2, C: int = 32, dtype: str = "fp32") -> list[dict]
     }
     S_PAD = triton.next_power_of_2((L + 1) ** 2)
     kernels = {
-        "rotate_fwd": (ef._rotate_fwd_kernel, launch.rotate_block,
+        "rotate_fwd": (efk._rotate_fwd_kernel, launch.rotate_block,
                        launch.rotate_warps, {"SIDE": 1, "PERM": True, "HAS_RHO": True}),
-        "rotate_bwd": (ef._rotate_bwd_kernel, launch.rotate_bwd_block,
+        "rotate_bwd": (efk._rotate_bwd_kernel, launch.rotate_bwd_block,
                        launch.rotate_bwd_warps, {"SIDE": 1, "PERM": True,
                                                  "HAS_RHO": True, "S_PAD": S_PAD}),
-        "unrotate_fwd": (ef._unrotate_fwd_kernel, launch.unrotate_block,
+        "unrotate_fwd": (efk._unrotate_fwd_kernel, launch.unrotate_block,
                          launch.unrotate_warps, {"HAS_W": True, "S_PAD": S_PAD}),
-        "unrotate_bwd": (ef._unrotate_bwd_kernel, launch.unrotate_bwd_block,
+        "unrotate_bwd": (efk._unrotate_bwd_kernel, launch.unrotate_bwd_block,
                          launch.unrotate_bwd_warps, {"HAS_W": True, "NEED_D": True,
                                                      "NEED_W": True}),
     }  # fmt: skip

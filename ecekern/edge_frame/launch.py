@@ -1,0 +1,206 @@
+"""Launchers of the edge-frame kernels: the launch, the row tables, the packed tile
+(:func:`pack`) and one function per kernel that allocates and launches."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._triton import split_scale, tl, triton
+from ..so3 import lm_tables
+from .kernels import (
+    _rotate_bwd_kernel,
+    _rotate_fwd_kernel,
+    _unrotate_bwd_kernel,
+    _unrotate_fwd_kernel,
+)
+
+
+@dataclass(frozen=True)
+class EdgeFrameLaunch:
+    """Edges per loop step (``*_block``) and warps per program of the four kernels.
+    One fixed choice, so results are the same bits in every process: the fastest of
+    the launch sweep at 365k edges (L = 2, C = 32, fp32)."""
+
+    rotate_block: int = 2
+    rotate_warps: int = 4
+    rotate_bwd_block: int = 4
+    rotate_bwd_warps: int = 4
+    unrotate_block: int = 2
+    unrotate_warps: int = 4
+    unrotate_bwd_block: int = 4
+    unrotate_bwd_warps: int = 4
+
+
+#: The library's launch (the defaults above).
+LAUNCH = EdgeFrameLaunch()
+
+
+@functools.cache
+def _tables_cpu(L: int, M: int) -> torch.Tensor:
+    """``tab[t, l, m]``: the row of D that the cos (t = 0) or sin (t = 1) slot
+    ``(l, m)`` selects, -1 where the slot is empty; int32 ``(2, L+1, n_ang)``."""
+    t = lm_tables(L, M)
+    S = t.S
+    tab = torch.stack([t.cos_index, t.sin_index]).to(torch.int32)
+    return torch.where(tab == S, -1, tab).contiguous()
+
+
+_TABLES: dict = {}
+
+
+def tables(L: int, M: int, device: torch.device) -> torch.Tensor:
+    """:func:`_tables_cpu` on ``device``, copied there once."""
+    key = (L, M, str(device))
+    tab = _TABLES.get(key)
+    if tab is None:
+        tab = _TABLES[key] = _tables_cpu(L, M).to(device)
+    return tab
+
+
+@functools.cache
+def _pack_index_cpu(L: int, M: int) -> torch.Tensor:
+    """``idx[s, t*n_ang + m]``: the row of D behind ``P[e, s, t, m]``, or S (a zero
+    row) where the slot is empty or of another degree than s."""
+    t = lm_tables(L, M)
+    S, NA = t.S, t.n_ang
+    idx = torch.full((S, 2 * NA), S, dtype=torch.long)
+    for s in range(S):
+        l = int(t.l_of_s[s])
+        for m in range(NA):
+            idx[s, m] = t.cos_index[l, m]
+            idx[s, NA + m] = t.sin_index[l, m]
+    return idx
+
+
+def pack(D: torch.Tensor, mmax: int) -> torch.Tensor:
+    """``P[e, s, t, m] = D[e, row_t(l(s), m), s]``, ``(E, S, S) -> (E, S, 2, n_ang)``:
+    the select folded into D's blocks, one contiguous row of n_ang values per (s, t).
+    One gather (its backward scatters dP into dD; no two slots share an entry)."""
+    E, S = D.shape[0], D.shape[-1]
+    L = math.isqrt(S) - 1
+    NA = mmax + 1
+    key = (L, mmax, str(D.device))
+    idx = _TABLES.get(("pack",) + key)
+    if idx is None:
+        idx = _TABLES[("pack",) + key] = _pack_index_cpu(L, mmax).to(D.device)
+    Dt = torch.nn.functional.pad(D.transpose(1, 2), (0, 1))  # (E, S, S+1): D^T | 0
+    P = torch.gather(Dt, 2, idx.unsqueeze(0).expand(E, S, 2 * NA))
+    return P.view(E, S, 2, NA)
+
+
+def _acc(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _meta(L: int, M: int, C: int) -> dict:
+    return {
+        "L": L,
+        "NA": M + 1,
+        "NA_PAD": triton.next_power_of_2(M + 1),
+        "C_PAD": triton.next_power_of_2(max(C, 1)),
+    }
+
+
+def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
+               launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """Launch the rotation, both sides: ``(x_cos, x_sin)``, each ``(E, 2C(L+1),
+    n_ang)`` contiguous. ``csr = (ptr_dst, perm_dst or None, ptr_src, perm_src)``."""
+    N, S, C = h.shape
+    N, C = int(N), int(C)
+    E = d.shape[0]
+    F, NA = 2 * C * (L + 1), M + 1
+    xc = torch.empty((E, F, NA), device=h.device, dtype=h.dtype)
+    xs = torch.empty((E, F, NA), device=h.device, dtype=h.dtype)
+    if N == 0 or E == 0 or C == 0:
+        return xc.zero_(), xs.zero_()
+    rho_args = (rho, rho.stride(0), rho.stride(1)) if rho is not None else (h, 0, 0)
+    ptr_dst, perm_dst, ptr_src, perm_src = csr
+    for side, ptr, perm in ((0, ptr_dst, perm_dst), (1, ptr_src, perm_src)):
+        _rotate_fwd_kernel[(N,)](
+            h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr, xc, xs,
+            E, C, rho_args[1], rho_args[2], **_meta(L, M, C),
+            BLOCK_E=launch.rotate_block, SIDE=side, PERM=perm is not None,
+            PACKED=packed, HAS_RHO=rho is not None, ACC=_acc(h.dtype),
+            num_warps=launch.rotate_warps,
+        )  # fmt: skip
+    return xc, xs
+
+
+def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
+               launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """Launch the merged backward, both sides: ``(dh, dd, drho or None)``; dd has
+    d's shape (P's, or D's with zeros off the selected entries)."""
+    N, S, C = h.shape
+    N, C = int(N), int(C)
+    E = d.shape[0]
+    dh = torch.zeros_like(h)
+    dd = torch.zeros_like(d)
+    drho = None
+    if rho is not None:
+        drho = torch.zeros((E, 2 * C * (L + 1)), device=h.device, dtype=h.dtype)
+    if N == 0 or E == 0 or C == 0:
+        return dh, dd, drho
+    rho_args = (rho, rho.stride(0), rho.stride(1)) if rho is not None else (h, 0, 0)
+    ptr_dst, perm_dst, ptr_src, perm_src = csr
+    for side, ptr, perm in ((0, ptr_dst, perm_dst), (1, ptr_src, perm_src)):
+        _rotate_bwd_kernel[(N,)](
+            gc, gs, h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr,
+            dh, dd, drho if drho is not None else dh,
+            E, C, rho_args[1], rho_args[2], **_meta(L, M, C),
+            S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.rotate_bwd_block,
+            SIDE=side, PERM=perm is not None, PACKED=packed,
+            HAS_RHO=rho is not None, ACC=_acc(h.dtype),
+            num_warps=launch.rotate_bwd_warps,
+        )  # fmt: skip
+    return dh, dd, drho
+
+
+def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
+                 packed: bool,
+                 launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """Launch the unrotation with the aggregation: ``Delta (N, S, C')``, one program
+    per destination node; y contiguous, edges dst-sorted."""
+    E = yc.shape[0]
+    C = int(yc.shape[1]) // (L + 1)
+    S = (L + 1) ** 2
+    N = row_ptr.shape[0] - 1
+    out = torch.empty((N, S, C), device=yc.device, dtype=yc.dtype)
+    if N == 0 or C == 0:
+        return out.zero_()
+    _unrotate_fwd_kernel[(N,)](
+        yc, ys, d, tab, w if w is not None else yc, row_ptr, out,
+        E, C, *split_scale(scale), **_meta(L, M, C),
+        S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.unrotate_block,
+        PACKED=packed, HAS_W=w is not None, ACC=_acc(yc.dtype),
+        num_warps=launch.unrotate_warps,
+    )  # fmt: skip
+    return out
+
+
+def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
+                 packed: bool, need_d: bool = True, need_w: bool = True,
+                 launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """Launch the merged backward: ``(dy_cos, dy_sin, dd or None, dw or None)``."""
+    E = yc.shape[0]
+    C = int(yc.shape[1]) // (L + 1)
+    N = row_ptr.shape[0] - 1
+    need_w = need_w and w is not None
+    dyc = torch.zeros_like(yc)
+    dys = torch.zeros_like(ys)
+    dd = torch.zeros_like(d) if need_d else None
+    dw = torch.zeros_like(w) if need_w else None
+    if N == 0 or E == 0 or C == 0:
+        return dyc, dys, dd, dw
+    _unrotate_bwd_kernel[(N,)](
+        G, yc, ys, d, tab, w if w is not None else yc, row_ptr,
+        dyc, dys, dd if need_d else dyc, dw if need_w else dyc,
+        E, C, *split_scale(scale), **_meta(L, M, C),
+        BLOCK_E=launch.unrotate_bwd_block, PACKED=packed, HAS_W=w is not None,
+        NEED_D=need_d, NEED_W=need_w, ACC=_acc(yc.dtype),
+        num_warps=launch.unrotate_bwd_warps,
+    )  # fmt: skip
+    return dyc, dys, dd, dw
