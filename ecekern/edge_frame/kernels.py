@@ -60,6 +60,18 @@ def _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, s: tl.constexpr, l: tl.constexpr,
 
 
 @triton.jit
+def _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, s: tl.constexpr, l: tl.constexpr,
+            S: tl.constexpr, NA: tl.constexpr, J: tl.constexpr,
+            PACKED: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """``(P[e, s, 0, :], P[e, s, 1, :])``, the cos and sin rows of column s, loaded
+    in ``ACC``: ``[BLOCK_E, NA_PAD]`` each."""
+    p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, s, l, 0, S, NA, J, PACKED)
+    dc = tl.load(p, mask=pm, other=0.0).to(ACC)
+    p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, s, l, 1, S, NA, J, PACKED)
+    return dc, tl.load(p, mask=pm, other=0.0).to(ACC)
+
+
+@triton.jit
 def _rotate_fwd_kernel(
     h_ptr, d_ptr, tab_ptr, rho_ptr, ptr_ptr, perm_ptr, xc_ptr, xs_ptr,
     E, C, stride_rho_e, stride_rho_f,
@@ -87,12 +99,8 @@ def _rotate_fwd_kernel(
             for i in tl.static_range(2 * l + 1):
                 hrow = tl.load(h_ptr + n * (S * C) + (l * l + i) * C + offs_c,
                                mask=mask_c, other=0.0).to(ACC)  # fmt: skip
-                p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 0,
-                                S, NA, J, PACKED)  # fmt: skip
-                dc = tl.load(p, mask=pm, other=0.0).to(ACC)
-                p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 1,
-                                S, NA, J, PACKED)  # fmt: skip
-                ds = tl.load(p, mask=pm, other=0.0).to(ACC)
+                dc, ds = _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, S,
+                                 NA, J, PACKED, ACC)  # fmt: skip
                 acc_c += hrow[None, :, None] * dc[:, None, :]
                 acc_s += hrow[None, :, None] * ds[:, None, :]
             if HAS_RHO:
@@ -165,12 +173,8 @@ def _rotate_bwd_kernel(
             for i in tl.static_range(2 * l + 1):
                 hrow = tl.load(h_ptr + n * (S * C) + (l * l + i) * C + offs_c,
                                mask=mask_c, other=0.0).to(ACC)  # fmt: skip
-                pc, pmc = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 0,
-                                  S, NA, J, PACKED)  # fmt: skip
-                ps, pms = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 1,
-                                  S, NA, J, PACKED)  # fmt: skip
-                dc = tl.load(pc, mask=pmc, other=0.0).to(ACC)
-                ds = tl.load(ps, mask=pms, other=0.0).to(ACC)
+                dc, ds = _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, S,
+                                 NA, J, PACKED, ACC)  # fmt: skip
                 # dh[n, s, :]: contract the edges and the slots
                 t = gx_c * dc[:, None, :] + gx_s * ds[:, None, :]
                 row = tl.sum(tl.sum(t, axis=2), axis=0)
@@ -242,12 +246,8 @@ def _unrotate_fwd_kernel(
                 y_c = y_c * w[:, None, None]
                 y_s = y_s * w[:, None, None]
             for i in tl.static_range(2 * l + 1):
-                p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 0,
-                                S, NA, J, PACKED)  # fmt: skip
-                dc = tl.load(p, mask=pm, other=0.0).to(ACC)
-                p, pm = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 1,
-                                S, NA, J, PACKED)  # fmt: skip
-                ds = tl.load(p, mask=pm, other=0.0).to(ACC)
+                dc, ds = _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, S,
+                                 NA, J, PACKED, ACC)  # fmt: skip
                 t = y_c * dc[:, None, :] + y_s * ds[:, None, :]
                 row = tl.sum(tl.sum(t, axis=2), axis=0)
                 acc = tl.where(offs_s[:, None] == l * l + i, acc + row[None, :], acc)
@@ -301,12 +301,8 @@ def _unrotate_bwd_kernel(
             for i in tl.static_range(2 * l + 1):
                 grow = tl.load(g_ptr + n * (S * C) + (l * l + i) * C + offs_c,
                                mask=mask_c, other=0.0).to(ACC)  # fmt: skip
-                pc, pmc = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 0,
-                                  S, NA, J, PACKED)  # fmt: skip
-                ps, pms = _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, 1,
-                                  S, NA, J, PACKED)  # fmt: skip
-                dc = tl.load(pc, mask=pmc, other=0.0).to(ACC)
-                ds = tl.load(ps, mask=pms, other=0.0).to(ACC)
+                dc, ds = _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, l * l + i, l, S,
+                                 NA, J, PACKED, ACC)  # fmt: skip
                 t_c += grow[None, :, None] * dc[:, None, :]
                 t_s += grow[None, :, None] * ds[:, None, :]
                 if NEED_D:
