@@ -39,18 +39,13 @@ from ase.calculators.calculator import (
 )
 
 from .graph import build_graph
+from .graph_step import GraphStep
+from .graph_step import strained as _strained
 from .model import ECEModel
 
 __all__ = ["ECECalculator"]
 
 _VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # xx yy zz yz xz xy
-
-
-def _strained(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """``x (I + eps)`` for row vectors ``x (..., 3)``, written as ``x + sum_i x_i
-    eps_ij`` with elementwise products: at ``eps = 0`` the value is ``x`` bit for bit,
-    and no matmul can round ``x`` to TF32 when a user allows it for float32."""
-    return x + (x[..., :, None] * eps).sum(-2)
 
 
 class ECECalculator(Calculator):
@@ -68,6 +63,12 @@ class ECECalculator(Calculator):
         dtype: ``torch.float32`` or ``torch.float64``; default the dtype of the model's
             parameters (``ECEModel`` is built in float32; ``model.double()`` for
             float64, which is what long NVE runs want).
+        graph_step: run each step as a replayed CUDA graph
+            (:class:`~ecekern.graph_step.GraphStep`, chapter 4): the neighbour list
+            is stored up to an edge capacity with headroom and the graph is captured
+            again only when a step exceeds it. Same energies and forces as without
+            (to rounding); on a device without CUDA graphs the same padded step
+            runs eagerly, after a :class:`~ecekern.options.FallbackWarning`.
         **kwargs: passed to ASE's ``Calculator``
             (``label``, ``directory``, ...).
 
@@ -103,7 +104,7 @@ class ECECalculator(Calculator):
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
     default_parameters: dict = {}
 
-    def __init__(self, model, device=None, dtype=None, **kwargs):
+    def __init__(self, model, device=None, dtype=None, graph_step=False, **kwargs):
         if not isinstance(model, ECEModel):
             raise TypeError(
                 f"model must be an ecekern.ECEModel, got {type(model).__name__}"
@@ -124,6 +125,11 @@ class ECECalculator(Calculator):
         self.model = model
         self.dtype = dtype
         self.device = next(model.parameters()).device  # "cuda" -> "cuda:0"
+        if not isinstance(graph_step, bool):
+            raise TypeError(f"graph_step must be a bool, got {graph_step!r}")
+        self.graph_step = graph_step
+        self._step: GraphStep | None = None  # kept while the atoms' numbers stay
+        self._step_key = None
 
     def _check_model(self) -> None:
         p = next(self.model.parameters())
@@ -157,7 +163,37 @@ class ECECalculator(Calculator):
         cell = torch.as_tensor(atoms.cell.array, **kw)
         numbers = torch.as_tensor(atoms.numbers, dtype=torch.long, device=self.device)
         graph = build_graph(positions, cell, atoms.pbc, self.model.config.cutoff)
+        if self.graph_step:
+            e, grads = self._graph_step(positions, numbers, graph, periodic)
+        else:
+            e, grads = self._eager_step(positions, numbers, graph, cell, periodic)
+        self.results = {
+            "energy": e,
+            "free_energy": e,
+            "forces": -grads[0].detach().cpu().double().numpy(),
+        }
+        volume = abs(atoms.cell.volume)
+        if periodic and volume > 0:
+            virial = grads[1].detach().cpu().double().numpy()  # dE/d eps, eV
+            sigma = 0.5 * (virial + virial.T) / volume
+            self.results["stress"] = np.array([sigma[i, j] for i, j in _VOIGT])
+        elif "stress" in properties:  # a slab or wire whose open direction has no
+            raise PropertyNotImplementedError(  # cell vector: no volume
+                "stress needs a cell of non-zero volume: give the non-periodic "
+                "directions a cell vector too (e.g. atoms.center(vacuum=10))"
+            )
 
+    def _graph_step(self, positions, numbers, graph, periodic):
+        key = (tuple(self.atoms.numbers.tolist()), periodic)
+        if self._step is None or key != self._step_key:
+            self._step = GraphStep(self.model, numbers, stress=periodic, graphs=True)
+            self._step_key = key
+        out = self._step(positions, graph)
+        grads = [-out.forces] + ([out.virial] if periodic else [])
+        return float(out.energy), grads
+
+    def _eager_step(self, positions, numbers, graph, cell, periodic):
+        kw = dict(dtype=self.dtype, device=self.device)
         with torch.inference_mode(False), torch.enable_grad():
             x = positions.detach().requires_grad_(True)
             wrt = [x]
@@ -174,20 +210,4 @@ class ECECalculator(Calculator):
             else:  # no parameter needs grad and no edge: E does not depend on x
                 grads = (None,) * len(wrt)
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
-
-        e = float(energy.detach())
-        self.results = {
-            "energy": e,
-            "free_energy": e,
-            "forces": -grads[0].detach().cpu().double().numpy(),
-        }
-        volume = abs(atoms.cell.volume)
-        if periodic and volume > 0:
-            virial = grads[1].detach().cpu().double().numpy()  # dE/d eps, eV
-            sigma = 0.5 * (virial + virial.T) / volume
-            self.results["stress"] = np.array([sigma[i, j] for i, j in _VOIGT])
-        elif "stress" in properties:  # a slab or wire whose open direction has no
-            raise PropertyNotImplementedError(  # cell vector: no volume
-                "stress needs a cell of non-zero volume: give the non-periodic "
-                "directions a cell vector too (e.g. atoms.center(vacuum=10))"
-            )
+        return float(energy.detach()), grads

@@ -435,13 +435,22 @@ def csr_row_ptr(dst: torch.Tensor, n_nodes: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Graph:
-    """One step's graph: dst-sorted edges, integer shifts, CSR pointer and the cell."""
+    """One step's graph: dst-sorted edges, integer shifts, CSR pointer and the cell.
+
+    ``padded=True`` marks a graph stored up to an edge capacity (chapter 4's
+    :class:`~ecekern.graph_step.GraphStep`): its *padding edges* run from an atom to
+    itself with a zero shift, a vector of length zero that no real edge has (the
+    neighbour list refuses atoms closer than :data:`MIN_DISTANCE`). The model moves
+    them beyond the cutoff, where the envelope and its derivative are exactly zero,
+    so they add exactly zero to the energy, the forces and the stress.
+    """
 
     src: torch.Tensor  # (E,) int64
     dst: torch.Tensor  # (E,) int64, sorted ascending
     shifts: torch.Tensor  # (E, 3) int64, in cell vectors
     row_ptr: torch.Tensor  # (N+1,) int64
     cell: torch.Tensor  # (3, 3) float
+    padded: bool = False
 
     @property
     def n_edges(self) -> int:
@@ -467,7 +476,21 @@ def build_graph(
     return Graph(src, dst, shifts, csr_row_ptr(dst, positions.shape[0]), cell)
 
 
-def edge_vectors(positions: torch.Tensor, graph: Graph) -> torch.Tensor:
-    """``r_e = x_src + shift @ cell - x_dst``, ``(E, 3)``, differentiable in x."""
+def edge_vectors(
+    positions: torch.Tensor, graph: Graph, pad_length: float | None = None
+) -> torch.Tensor:
+    """``r_e = x_src + shift @ cell - x_dst``, ``(E, 3)``, differentiable in x.
+
+    For a ``padded`` graph, give ``pad_length`` (beyond the cutoff): padding edges
+    (``src == dst``, zero shift) get the constant vector ``(pad_length, 0, 0)``, whose
+    gradient is zero. The test is elementwise on the device, with no host sync.
+    """
     offset = graph.shifts.to(positions.dtype) @ graph.cell.to(positions.dtype)
-    return positions[graph.src] + offset - positions[graph.dst]
+    r = positions[graph.src] + offset - positions[graph.dst]
+    if not graph.padded:
+        return r
+    if pad_length is None:
+        raise ValueError("a padded graph needs pad_length (beyond the cutoff)")
+    pad = (graph.src == graph.dst) & (graph.shifts == 0).all(-1)
+    far = torch.nn.functional.pad(r.new_full((1,), pad_length), (0, 2))  # no copy
+    return torch.where(pad[:, None], far, r)

@@ -170,11 +170,11 @@ def _once(key: str, message: str, category) -> None:
         _warned.add(key)  # after: a warning turned into an error is raised again
 
 
-def fallback(op: str, reason: str) -> None:
-    """Announce, once per ``(op, reason)``, that ``op`` falls back to the reference."""
+def fallback(op: str, reason: str, to: str = "the reference path") -> None:
+    """Announce, once per ``(op, reason)``, that ``op`` falls back to ``to``."""
     _once(
         f"{op}: {reason}",
-        f"ecekern: {op} falls back to the reference path ({reason})",
+        f"ecekern: {op} falls back to {to} ({reason})",
         FallbackWarning,
     )
 

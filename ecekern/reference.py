@@ -148,8 +148,8 @@ def zonal_rows(D: torch.Tensor) -> torch.Tensor:
     block, ``sqrt(4 pi / (2l+1)) Y_s(u_e)``. ``(E, S, S) -> (E, S-1)``."""
     S = D.shape[-1]
     L = math.isqrt(S) - 1
-    t = lm_tables(L)
-    rows = t.m0_rows.to(D.device).reshape(1, 1, S).expand(D.shape[0], 1, S)
+    t = lm_tables(L).on(D.device)
+    rows = t.m0_rows.reshape(1, 1, S).expand(D.shape[0], 1, S)
     return torch.gather(D, 1, rows)[:, 0, 1:]
 
 
@@ -176,6 +176,7 @@ def zonal_scatter(
     dst: torch.Tensor,
     row_ptr: torch.Tensor,
     scale: float,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``h0[n, s, c] = scale * sum_{e: dst_e = n} Z[e, s-1] * R[e, l(s)-1, c]``, s >= 1.
 
@@ -185,6 +186,8 @@ def zonal_scatter(
         dst: ``(E,)`` int64, sorted ascending.
         row_ptr: ``(N+1,)`` int64 CSR pointer of ``dst``.
         scale: the normalisation ``k``.
+        validate: check the CSR's values (host synchronisations; the model skips
+            them for a graph that :func:`~ecekern.graph.build_graph` checked).
 
     Returns:
         ``(N, S, C)`` with row ``s = 0`` zero.
@@ -192,10 +195,10 @@ def zonal_scatter(
     The reference broadcasts ``R`` over each degree's ``2l+1`` rows and ``index_add_``s
     the ``(E, S-1, C)`` message tensor: the memory cost chapter 5 removes.
     """
-    n = check_zonal_scatter(Z, R, dst, row_ptr)
+    n = check_zonal_scatter(Z, R, dst, row_ptr, validate)
     E, L, C = R.shape
     S = (L + 1) ** 2
-    l_of_s = lm_tables(L).l_of_s[1:].to(Z.device)  # degrees 1..L of rows 1..S-1
+    l_of_s = lm_tables(L).on(Z.device).l_of_s[1:]  # degrees 1..L of rows 1..S-1
     msg = Z[:, :, None] * R[:, l_of_s - 1, :]  # (E, S-1, C): the big tensor
     out = Z.new_zeros(n, S - 1, C).index_add_(0, dst, msg * scale)
     return torch.cat([Z.new_zeros(n, 1, C), out], dim=1)
@@ -223,7 +226,7 @@ def rotate_and_select(
     """
     S = h.shape[1]
     L = math.isqrt(S) - 1
-    t = lm_tables(L, mmax)
+    t = lm_tables(L, mmax).on(h.device)
     A = torch.cat([h[dst], h[src]], dim=-1)  # (E, S, 2C)
     A_loc = torch.matmul(D, A)  # (E, S, 2C)
     A_pad = nnf.pad(A_loc.transpose(1, 2), (0, 1))  # (E, 2C, S+1), zero column at S
@@ -232,8 +235,8 @@ def rotate_and_select(
     # torch.gather, not advanced indexing: its backward is a scatter-add, where
     # advanced indexing's backward is a sort-based index_put: 38 % of the force step
     # on the H200 (book/history/01_reference/index_put)
-    idx_cos = t.cos_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
-    idx_sin = t.sin_index.reshape(1, 1, -1).to(h.device).expand(E, C2, -1)
+    idx_cos = t.cos_index.reshape(1, 1, -1).expand(E, C2, -1)
+    idx_sin = t.sin_index.reshape(1, 1, -1).expand(E, C2, -1)
     x_cos = torch.gather(A_pad, 2, idx_cos)  # (E, 2C, (L+1) n_ang)
     x_sin = torch.gather(A_pad, 2, idx_sin)
     return x_cos.reshape(E, C2 * (L + 1), n_ang), x_sin.reshape(E, C2 * (L + 1), n_ang)
@@ -345,7 +348,7 @@ def pack_and_unrotate(
     """
     E, S = D.shape[0], D.shape[-1]
     L = math.isqrt(S) - 1
-    t = lm_tables(L, mmax)
+    t = lm_tables(L, mmax).on(D.device)
     Cp = y_cos.shape[1] // (L + 1)
     flat = torch.cat(
         [
@@ -355,7 +358,7 @@ def pack_and_unrotate(
         ],
         dim=-1,
     )  # (E, C', 2 (L+1) n_ang + 1)
-    idx = t.pack_index.reshape(1, 1, -1).to(D.device).expand(E, Cp, -1)
+    idx = t.pack_index.reshape(1, 1, -1).expand(E, Cp, -1)
     loc = torch.gather(flat, 2, idx)  # (E, C', S)
     return torch.matmul(D.transpose(1, 2), loc.transpose(1, 2))  # (E, S, C')
 
@@ -387,5 +390,5 @@ def node_update(
     over m, like e3nn's ``o3.Linear``). ``weight (L+1, C, C)``."""
     S = h.shape[1]
     L = math.isqrt(S) - 1
-    w_s = weight[lm_tables(L).l_of_s.to(h.device)]  # (S, C, C)
+    w_s = weight[lm_tables(L).on(h.device).l_of_s]  # (S, C, C)
     return h + torch.einsum("nsc,scd->nsd", delta, w_s)

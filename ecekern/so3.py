@@ -155,6 +155,14 @@ def _fit_points(lmax: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     return pts, tuple(pinvs)
 
 
+@functools.cache
+def _fit_points_on(lmax: int, device: torch.device, dtype: torch.dtype):
+    """:func:`_fit_points` on ``device`` in ``dtype``, copied there once: a
+    host-to-device copy per call would cost a host synchronisation every step."""
+    pts, pinvs = _fit_points(lmax)
+    return pts.to(device, dtype), tuple(p.to(device, dtype) for p in pinvs)
+
+
 def wigner_D(lmax: int, rotation: torch.Tensor) -> torch.Tensor:
     """Real Wigner matrix ``D(R)``, block-diagonal over degrees, ``(..., S, S)``.
 
@@ -178,8 +186,7 @@ def wigner_D(lmax: int, rotation: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"rotation must have shape (..., 3, 3), got {tuple(rotation.shape)}"
         )
-    pts, pinvs = _fit_points(lmax)
-    pts = pts.to(device=rotation.device, dtype=rotation.dtype)
+    pts, pinvs = _fit_points_on(lmax, rotation.device, rotation.dtype)
     rp = torch.einsum("...ij,nj->...ni", rotation, pts)  # (..., n, 3)
     y = spherical_harmonics(lmax, rp, normalize=False)  # (..., n, S)
     batch = rotation.shape[:-2]
@@ -187,9 +194,8 @@ def wigner_D(lmax: int, rotation: torch.Tensor) -> torch.Tensor:
     D = rotation.new_zeros(*batch, S, S)
     for l, pinv in enumerate(pinvs):
         sl = slice(l * l, (l + 1) ** 2)
-        p = pinv.to(device=rotation.device, dtype=rotation.dtype)
         # D_l = (pinv @ Y_l(RP))^T = Y_l(RP)^T @ pinv^T
-        D[..., sl, sl] = torch.einsum("...ni,jn->...ij", y[..., sl], p)
+        D[..., sl, sl] = torch.einsum("...ni,jn->...ij", y[..., sl], pinv)
     return D
 
 
@@ -313,9 +319,34 @@ class LMTables:
                 flat = l * (M + 1) + abs(m)
                 pack[s] = flat if m >= 0 else n_slots + flat
         self.pack_index = pack
+        self._on: dict[torch.device, LMTables] = {}
+
+    def on(self, device) -> LMTables:
+        """These tables with every tensor on ``device``, copied there once and
+        cached (the model asks for them every step; a copy per call would be a
+        host-to-device copy, and a host synchronisation, per call)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tab = self._on.get(device)
+        if tab is None:
+            tab = LMTables.__new__(LMTables)
+            tab.__dict__.update(self.__dict__)
+            for name in _TABLE_NAMES:
+                setattr(tab, name, getattr(self, name).to(device))
+            tab._on = {}
+            self._on[device] = tab
+        return tab
 
     def __repr__(self) -> str:
         return f"LMTables(lmax={self.lmax}, mmax={self.mmax})"
+
+
+_TABLE_NAMES = (
+    "l_of_s", "m_of_s", "m0_rows", "cos_index", "sin_index", "pack_index"
+)  # fmt: skip
 
 
 @functools.cache

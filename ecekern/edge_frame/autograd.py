@@ -14,7 +14,7 @@ from .launch import pack, rotate_bwd, rotate_fwd, unrotate_bwd, unrotate_fwd
 
 
 def _degree_onehot(L: int, like: torch.Tensor) -> torch.Tensor:
-    l_of_s = lm_tables(L).l_of_s.to(like.device)
+    l_of_s = lm_tables(L).on(like.device).l_of_s
     return (l_of_s[:, None] == torch.arange(L + 1, device=like.device)).to(like.dtype)
 
 

@@ -1,0 +1,260 @@
+"""The force step as one CUDA graph, with an edge capacity for molecular dynamics.
+
+A step of energy and forces, ``E = model(x, numbers, graph)``, ``F = -dE/dx`` (and,
+with ``stress=True``, the virial ``W = dE/d eps`` of a symmetric strain, as in
+:mod:`ecekern.calculator`), launches a few hundred kernels. Run eagerly, the host
+must queue every one of them; at 512 atoms it takes longer to queue them than the GPU
+takes to run them. A CUDA graph records the launches once and replays them with one
+call. That needs a step with no host synchronisation and no host-to-device copy
+(:mod:`ecekern.host_sync` finds them) and fixed tensor shapes and addresses.
+
+Shapes. The atoms are fixed: ``x (N, 3)``, ``numbers (N,)``. The edges are not: an MD
+step's neighbour list has ``E`` edges, a few more or fewer each step. The step stores
+them in buffers of a fixed *capacity* ``E_cap >= E``::
+
+    src[:E], dst[:E], shifts[:E] = the graph's; row_ptr[:N] = the graph's
+    src[E:] = dst[E:] = N - 1, shifts[E:] = 0, row_ptr[N] = E_cap    (padding)
+
+so the padding edges are the last atom's self-edges with no shift, which the model
+moves beyond the cutoff (``Graph.padded``): they add exactly zero to the energy, the
+forces and the virial, and keep the edges sorted by destination. When a step brings
+more than ``E_cap`` edges, the capacity grows to ``headroom * E`` and the graph is
+captured again; the ``ecekern.graph_step`` logger says so.
+
+Per step, outside the graph: copies of the positions, the edge lists and the CSR
+pointer into the buffers (device to device, ``O(N + E)`` bytes), then one replay.
+Outputs are copied out of the graph's static tensors, so a caller may keep them.
+
+Status: CUDA graphs on CUDA devices, float32 and float64; on other devices, and with
+``graphs=False``, the same padded step runs eagerly (the CPU tests use it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import options
+from .graph import Graph
+from .model import ECEModel
+
+__all__ = ["GraphStep", "StepResult", "strained"]
+
+log = logging.getLogger(__name__)
+
+#: capacities are rounded up to a multiple of this many edges
+CAPACITY_QUANTUM = 256
+
+
+def strained(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``x (I + eps)`` for row vectors ``x (..., 3)``, written as ``x + sum_i x_i
+    eps_ij`` with elementwise products: at ``eps = 0`` the value is ``x`` bit for bit,
+    and no matmul can round ``x`` to TF32 when a user allows it for float32."""
+    return x + (x[..., :, None] * eps).sum(-2)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's outputs: ``energy ()``, ``forces (N, 3) = -dE/dx`` and, when the
+    step was built with ``stress=True``, ``virial (3, 3) = dE/d eps`` (eV)."""
+
+    energy: torch.Tensor
+    forces: torch.Tensor
+    virial: torch.Tensor | None = None
+
+
+class GraphStep:
+    """Energy and forces of one system, replayed as a CUDA graph.
+
+    Args:
+        model: an :class:`~ecekern.ECEModel`, on the device and in the dtype the step
+            runs in.
+        numbers: ``(N,)`` atomic numbers; checked once, here.
+        capacity: the edges the first capture holds (None: the first graph's edge
+            count times ``headroom``).
+        headroom: the capacity of a (re)capture is ``ceil(headroom * E)``, rounded up
+            to a multiple of :data:`CAPACITY_QUANTUM`.
+        stress: also return the virial ``dE/d eps`` of a strain of positions and cell.
+        graphs: replay a CUDA graph (None: on CUDA devices). ``True`` on a device
+            without CUDA graphs falls back to the eager step with a
+            :class:`~ecekern.options.FallbackWarning`.
+
+    ``step(positions, graph)`` returns a :class:`StepResult`. ``captures`` counts the
+    CUDA graphs captured so far (0 when eager); ``capacity`` is the edge capacity.
+    """
+
+    def __init__(
+        self,
+        model: ECEModel,
+        numbers: torch.Tensor,
+        capacity: int | None = None,
+        headroom: float = 1.25,
+        stress: bool = False,
+        graphs: bool | None = None,
+    ):
+        if not isinstance(model, ECEModel):
+            raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
+        p = next(model.parameters())
+        if not isinstance(numbers, torch.Tensor) or numbers.ndim != 1:
+            raise ValueError("numbers must be a (N,) tensor of atomic numbers")
+        if numbers.device != p.device:
+            raise ValueError(
+                f"numbers are on {numbers.device}, the model on {p.device}"
+            )
+        if numbers.shape[0] == 0:
+            raise ValueError("a GraphStep needs at least one atom")
+        if not (isinstance(headroom, (int, float)) and 1.0 <= headroom <= 16.0):
+            raise ValueError(f"headroom must be a number in [1, 16], got {headroom!r}")
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0
+        ):
+            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+        with torch.inference_mode(False):  # a tensor with a version counter
+            numbers = numbers.clone()
+        model.species_index(numbers)  # the check, once (a host sync)
+        self.model, self.numbers = model, numbers
+        self.N, self.dtype, self.device = numbers.shape[0], p.dtype, p.device
+        self.headroom, self.stress = float(headroom), bool(stress)
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda
+        elif graphs and not cuda:
+            options.fallback(
+                "GraphStep",
+                f"CUDA graphs need a CUDA device, the model is on {self.device}",
+                to="the same padded step run eagerly",
+            )
+            graphs = False
+        self.graphs = bool(graphs)
+        self.capacity = -1 if capacity is None else _round_up(capacity)
+        self.captures = 0
+        self._graph = None
+        self._out: tuple | None = None
+        self._x: torch.Tensor | None = None  # buffers, allocated at the first step
+
+    # -- buffers ---------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        N, dev = self.N, self.device
+        long = dict(dtype=torch.long, device=dev)
+        self.capacity = capacity
+        self._x = torch.zeros(N, 3, dtype=self.dtype, device=dev)
+        self._cell = torch.zeros(3, 3, dtype=self.dtype, device=dev)
+        self._src = torch.full((capacity,), N - 1, **long)
+        self._dst = torch.full((capacity,), N - 1, **long)
+        self._shifts = torch.zeros(capacity, 3, **long)
+        self._row_ptr = torch.zeros(N + 1, **long)
+        self._row_ptr[N] = capacity  # the last atom's segment ends at the capacity
+
+    def _load(self, positions: torch.Tensor, graph: Graph) -> None:
+        """The step's inputs into the buffers; the tail past E becomes padding."""
+        E, N = graph.n_edges, self.N
+        self._x.copy_(positions)
+        self._cell.copy_(graph.cell)
+        self._src[:E].copy_(graph.src)
+        self._dst[:E].copy_(graph.dst)
+        self._shifts[:E].copy_(graph.shifts)
+        self._src[E:].fill_(N - 1)
+        self._dst[E:].fill_(N - 1)
+        self._shifts[E:].zero_()
+        self._row_ptr[:N].copy_(graph.row_ptr[:N])  # row_ptr[N] stays the capacity
+
+    def _run(self) -> tuple:
+        """The step on the buffers; what a capture records."""
+        with torch.inference_mode(False), torch.enable_grad():
+            x = self._x.detach().requires_grad_(True)
+            wrt = [x]
+            cell = self._cell
+            if self.stress:
+                eps = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
+                eps.requires_grad_(True)
+                wrt.append(eps)
+                x, cell = strained(x, eps), strained(cell, eps)
+            g = Graph(self._src, self._dst, self._shifts, self._row_ptr, cell, True)
+            energy = self.model(x, self.numbers, g)
+            grads = torch.autograd.grad(energy, wrt)
+        return (energy.detach(), -grads[0]) + tuple(grads[1:])
+
+    # -- capture ---------------------------------------------------------------------
+    def _new_capacity(self, n_edges: int) -> int:
+        if self.capacity >= n_edges:  # the first call, with a capacity given
+            return self.capacity
+        return _round_up(max(math.ceil(self.headroom * n_edges), n_edges))
+
+    def _capture(self) -> None:
+        """Record :meth:`_run` on the loaded buffers, after two eager runs on a side
+        stream (Triton compiles, caches fill and the allocator warms up outside)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._graph = self._out = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._run()
+        # the graph reads the parameters where they are now: in-place updates are
+        # seen by the next replay, a parameter moved elsewhere means a new capture
+        self._graph, self._params = graph, self._param_ptrs()
+        self.captures += 1
+
+    # -- the step --------------------------------------------------------------------
+    def _check(self, positions, graph) -> None:
+        if not isinstance(graph, Graph):
+            raise TypeError(
+                f"graph must be an ecekern.Graph, got {type(graph).__name__}"
+            )
+        if graph.padded:
+            raise ValueError("give the step the neighbour list, not a padded graph")
+        if not isinstance(positions, torch.Tensor) or positions.shape != (self.N, 3):
+            raise ValueError(f"positions must be a ({self.N}, 3) tensor")
+        if positions.dtype != self.dtype:
+            raise TypeError(f"positions are {positions.dtype}, the step {self.dtype}")
+        if graph.n_nodes != self.N:
+            raise ValueError(f"graph has {graph.n_nodes} nodes, the step {self.N}")
+        for name in ("src", "dst", "shifts", "row_ptr", "cell"):
+            t = getattr(graph, name)
+            if t.device != self.device:
+                raise ValueError(f"graph.{name} is on {t.device}, the step on "
+                                 f"{self.device}")  # fmt: skip
+        if positions.device != self.device:
+            raise ValueError(f"positions are on {positions.device}, the step on "
+                             f"{self.device}")  # fmt: skip
+
+    def __call__(self, positions: torch.Tensor, graph: Graph) -> StepResult:
+        """Energy, forces (and virial) for ``positions (N, 3)`` and the neighbour list
+        ``graph`` (from :func:`~ecekern.graph.build_graph`, on the step's device)."""
+        self._check(positions, graph)
+        E = graph.n_edges
+        grow = self._x is None or E > self.capacity
+        if grow:
+            old, capacity = self.capacity, self._new_capacity(E)
+            self._graph, self._out = None, None  # the old graph's memory goes first
+            self._allocate(capacity)
+            if self.graphs and self.captures:
+                log.warning(
+                    "GraphStep: %d edges exceed the capacity %d; capturing the step "
+                    "again for %d edges", E, old, capacity,
+                )  # fmt: skip
+            elif self.graphs:
+                log.info("GraphStep: capturing the step for %d edges", capacity)
+        self._load(positions.detach(), graph)
+        if not self.graphs:
+            return StepResult(*self._run())
+        if self._graph is None:
+            self._capture()
+        if self._params != self._param_ptrs():  # e.g. model.double() after capture
+            log.warning("GraphStep: the model's parameters moved; capturing again")
+            self._capture()
+        self._graph.replay()
+        return StepResult(*(t.clone() for t in self._out))
+
+    def _param_ptrs(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+
+def _round_up(n: int) -> int:
+    return max(CAPACITY_QUANTUM, -(-n // CAPACITY_QUANTUM) * CAPACITY_QUANTUM)
