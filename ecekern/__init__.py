@@ -15,6 +15,7 @@ Quick start::
 
 from . import options, reference, so3, systems
 from .graph import Graph, build_graph, neighbor_list
+from .graph_step import GraphStep
 from .linear import EquivariantLinear
 from .model import ECEConfig, ECEModel, energy_and_forces
 from .zonal import zonal_scatter
@@ -36,6 +37,7 @@ __all__ = [
     "ECEModel",
     "EquivariantLinear",
     "Graph",
+    "GraphStep",
     "build_graph",
     "energy_and_forces",
     "neighbor_list",

@@ -21,6 +21,10 @@ forces and the virial, and keep the edges sorted by destination. When a step bri
 more than ``E_cap`` edges, the capacity grows to ``headroom * E`` and the graph is
 captured again; the ``ecekern.graph_step`` logger says so.
 
+A capture bakes in the kernels the options chose (and TF32) and the parameters'
+addresses: in-place updates of the parameters are seen by the next replay; moved
+parameters or changed options mean a new capture, which the log says.
+
 Per step, outside the graph: copies of the positions, the edge lists and the CSR
 pointer into the buffers (device to device, ``O(N + E)`` bytes), then one replay.
 Outputs are copied out of the graph's static tensors, so a caller may keep them.
@@ -46,7 +50,7 @@ __all__ = ["GraphStep", "StepResult", "strained"]
 log = logging.getLogger(__name__)
 
 #: capacities are rounded up to a multiple of this many edges
-CAPACITY_QUANTUM = 256
+CAPACITY_QUANTUM = 32
 
 
 def strained(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -197,8 +201,8 @@ class GraphStep:
         with torch.cuda.graph(graph):
             self._out = self._run()
         # the graph reads the parameters where they are now: in-place updates are
-        # seen by the next replay, a parameter moved elsewhere means a new capture
-        self._graph, self._params = graph, self._param_ptrs()
+        # seen by the next replay; moved parameters or other options: a new capture
+        self._graph, self._baked = graph, self._state()
         self.captures += 1
 
     # -- the step --------------------------------------------------------------------
@@ -246,14 +250,20 @@ class GraphStep:
             return StepResult(*self._run())
         if self._graph is None:
             self._capture()
-        if self._params != self._param_ptrs():  # e.g. model.double() after capture
-            log.warning("GraphStep: the model's parameters moved; capturing again")
+        if self._baked != self._state():
+            log.warning(
+                "GraphStep: the model's parameters moved or the options changed "
+                "since the capture; capturing again"
+            )
             self._capture()
         self._graph.replay()
         return StepResult(*(t.clone() for t in self._out))
 
-    def _param_ptrs(self) -> tuple:
-        return tuple(p.data_ptr() for p in self.model.parameters())
+    def _state(self) -> tuple:
+        """What a capture bakes in besides the buffers: where the parameters are,
+        the options and the TF32 switch that chose the kernels."""
+        params = tuple(p.data_ptr() for p in self.model.parameters())
+        return params, options.current(), torch.backends.cuda.matmul.allow_tf32
 
 
 def _round_up(n: int) -> int:

@@ -95,6 +95,7 @@ PROGRESS_ROWS = (
     "reference",
     "+ ch2 linear",
     "+ ch3 edge_frame",
+    "+ ch4 graph_step",
     "+ ch5 zonal",
     "library defaults",
     "reference + torch.compile",

@@ -9,12 +9,13 @@ Triton's interpreter, as a smoke test.
 
 from __future__ import annotations
 
-from . import edge_frame, linear, methodology, reference, zonal
+from . import edge_frame, graph_step, linear, methodology, reference, zonal
 
 REGISTRY = {
     "methodology": methodology.capture,
     "01_reference": reference.capture,
     "02_linear": linear.capture,
     "03_edge_frame": edge_frame.capture,
+    "04_graph_step": graph_step.capture,
     "05_zonal": zonal.capture,
 }

@@ -203,14 +203,29 @@ def force_row(
     rep_ms: float = 400.0,
     forward: bool = True,
     key: str = "model",
+    replay: bool = False,
 ) -> dict:
     """One model's force step (energy + forces) on prepared ``inputs``: its time
     (median, p10, p90, runs), peak memory and, with ``forward``, the forward alone
-    (no grad) and the backward as the difference."""
+    (no grad) and the backward as the difference. ``replay``: the step as a
+    :class:`~ecekern.graph_step.GraphStep` (chapter 4), its peak memory that of the
+    capture (the graph's memory pool holds the step's intermediates)."""
+    from ..graph_step import GraphStep
     from ..model import force_step
 
     pos, numbers, graph = inputs
-    step = lambda: force_step(model, pos, numbers, graph)
+    peak = None
+    if replay:
+        holder = {}
+
+        def first():
+            holder["step"] = GraphStep(model, numbers)
+            holder["step"](pos, graph)
+
+        peak = bench.peak_memory(first)
+        step = lambda: holder["step"](pos, graph)
+    else:
+        step = lambda: force_step(model, pos, numbers, graph)
     row: dict = {key: name, "n_atoms": pos.shape[0], "n_edges": graph.n_edges}
     if forward:
 
@@ -228,7 +243,9 @@ def force_row(
     row |= {"step_ms": t_s.median, "step_p10_ms": t_s.p10, "step_p90_ms": t_s.p90}
     if forward:
         row["backward_ms"] = t_s.median - row["forward_ms"]
-    row |= {"peak_mem_MiB": bench.peak_memory(step) / 2**20, "reps": t_s.n}
+    if peak is None:
+        peak = bench.peak_memory(step)
+    row |= {"peak_mem_MiB": peak / 2**20, "reps": t_s.n}
     return {**row, **(extra or {}), **bench.provenance(dtype)}
 
 

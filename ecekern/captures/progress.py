@@ -8,16 +8,18 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
    zonal="reference")``;
 3. ``+ ch3 edge_frame``: ``options.use(linear="auto", edge_frame="packed",
    zonal="reference")``;
-4. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
-   zonal="fused")``;
-5. ``library defaults``: ``options.use()``, nothing changed (the row records what
+4. ``+ ch4 graph_step``: the same options, the step replayed as a CUDA graph
+   (:class:`~ecekern.graph_step.GraphStep`);
+5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
+   zonal="fused")``, replayed;
+6. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
    ``options.current()`` was);
-6. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
+7. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
    its time recorded), ``e3nn TP conv (NequIP-style)``, ``cuEquivariance TP conv
    (NequIP-style)`` (skipped, with the reason in the manifest, where
    ``cuequivariance_torch`` or its CUDA kernels ``cuequivariance_ops_torch`` do not
    load: cuet would fall back to its naive path);
-7. ``library defaults + torch.compile``.
+8. ``library defaults + torch.compile``.
 
 Each row: time (median, p10, p90 of at least 5 runs) and peak memory, with its
 provenance; ``progress.csv`` is rewritten after every row, in the table's order, so a
@@ -41,7 +43,7 @@ from .common import error_row, force_row, free
 from .reference import peer_models
 from .stages import stage_times
 
-__all__ = ["OURS", "capture"]
+__all__ = ["OURS", "REPLAYED", "capture"]
 
 #: Our rows: label -> the options they run under (``{}``: the library's defaults).
 OURS = {
@@ -52,9 +54,16 @@ OURS = {
         "edge_frame": "packed",
         "zonal": "reference",
     },
+    "+ ch4 graph_step": {
+        "linear": "auto",
+        "edge_frame": "packed",
+        "zonal": "reference",
+    },
     "+ ch5 zonal": {"linear": "auto", "edge_frame": "packed", "zonal": "fused"},
     "library defaults": {},
 }
+#: The rows whose step is replayed as a CUDA graph (chapter 4 and after).
+REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal")
 #: The compiled rows: label -> the options their model is compiled and run under.
 COMPILED = {
     "reference + torch.compile": {"reference": True},
@@ -116,8 +125,9 @@ def _row(table, label, model, inputs, n_atoms, rep_ms, info, extra=None) -> None
     dtype = inputs[0].dtype
     try:
         row = force_row(
-            label, model, inputs, dtype, extra, rep_ms, forward=False, key="system"
-        )
+            label, model, inputs, dtype, extra, rep_ms, forward=False, key="system",
+            replay=label in REPLAYED,
+        )  # fmt: skip
     except Exception as exc:
         key = f"progress: {label}, {n_atoms} atoms, {bench.dtype_label(dtype)}"
         info[key] = f"failed: {exc!r}"[:500]
@@ -171,6 +181,7 @@ def capture(
                         extra = {"options": repr(now), **_paths(model, inputs)}
                         if label == "library defaults":
                             info["library_defaults"] = repr(now)
+                        extra["mode"] = "replay" if label in REPLAYED else "eager"
                         _row(table, label, model, inputs, n, rep_ms, info, extra)
                     free()
                 for label, peer in peers:

@@ -1,0 +1,345 @@
+"""Chapter 4's capture: host syncs, the sync-free unpack, and the step as a CUDA graph.
+
+Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32, fp32):
+
+* ``unpack`` -> unpack.csv, unpack_trace_masked.txt, unpack_trace_indexed.txt: dD
+  from dP (the packed tiles' gradient, chapter 3) at the 512- and 4096-atom boxes'
+  edge counts, two ways: with boolean masks built per call, as the seed first had it
+  (:func:`unpack_masked`), and through the integer index the library precomputes
+  once per (L, M, device) (the backward of ``edge_frame.pack``). Per call: wall
+  time, the host's time, host syncs counted by :class:`~ecekern.host_sync.
+  HostSyncAudit` and ``cudaStreamSynchronize``/``cudaMemcpyAsync`` calls counted by
+  the profiler;
+* ``audit`` -> audit.csv: every host sync and host-to-device copy of one force step
+  at 512 atoms, under the library's defaults and the reference (none is the target),
+  and whether the step runs under ``torch.cuda.set_sync_debug_mode("error")``;
+* ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, eager and replayed
+  as a :class:`~ecekern.graph_step.GraphStep`, under the defaults and the reference:
+  time, the host's time per step, the GPU's busy fraction and kernels per step (the
+  profiler over consecutive steps), the capture's cost and peak memory.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .. import bench, options
+from .common import device, free, parse_parts
+
+__all__ = ["capture", "unpack_indexed", "unpack_masked"]
+
+PARTS = ("unpack", "audit", "steps")
+#: The option sets the audit and the steps run under.
+PATHS = {"defaults": {}, "reference": {"reference": True}}
+
+
+def capture(
+    out: Path,
+    quick: bool = False,
+    ncu: bool = True,
+    parts: str = "unpack,audit,steps",
+    boxes: str | None = None,
+) -> dict:
+    """Chapter 4 (module docstring). On a CPU, ``unpack`` and ``audit`` run at a
+    tiny size (the fast kernels in Triton's interpreter) as a smoke test; ``steps``
+    needs a GPU."""
+    todo = parse_parts(parts, PARTS)
+    dev = device()
+    info: dict = {"parts": sorted(todo)}
+    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
+    for part, fn in (
+        ("unpack", lambda: _unpack(out, reps, dev)),
+        ("audit", lambda: _audit(out, 1 if dev != "cuda" else 4, dev)),
+        ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
+    ):
+        if part not in todo:
+            continue
+        if part == "steps" and dev != "cuda":
+            info["steps"] = "skipped: no GPU"
+            continue
+        try:
+            info[part] = fn()
+        except Exception as exc:
+            info[part] = f"failed: {exc!r}"[:500]
+            print(part, "failed:", repr(exc), flush=True)
+        free()
+    return info
+
+
+def _config(dev: str):
+    import ecekern
+
+    if dev == "cuda":
+        return ecekern.ECEConfig()
+    # the interpreter: a small model on the nearest neighbours only
+    small = dict(radial_hidden=8, readout_hidden=8, n_gated=1, cutoff=2.0)
+    return ecekern.ECEConfig(channels=4, **small)
+
+
+# --------------------------------------------------------------------------------------
+# unpack: boolean masks per call against an index precomputed once
+# --------------------------------------------------------------------------------------
+def unpack_masked(dP: torch.Tensor, mmax: int) -> torch.Tensor:
+    """dD ``(E, S, S)`` from dP ``(E, S, 2, n_ang)``, the seed's first way: the valid
+    slots found by boolean masks on every call. Each ``t[mask]`` has a data-dependent
+    size, so the host waits for the device to count the mask (a sync), and the table
+    goes to the device every call (a host-to-device copy). Kept out of the library:
+    the book's example of what not to do."""
+    from ..edge_frame.launch import _pack_index_cpu
+
+    E, S = dP.shape[0], dP.shape[1]
+    L = int(round(S**0.5)) - 1
+    idx = _pack_index_cpu(L, mmax).to(dP.device)  # (S, 2 n_ang): the row of D, or S
+    valid = idx < S  # which slots hold an entry of D
+    cols = torch.arange(S, device=dP.device)[:, None].expand_as(idx)[valid]  # sync
+    rows = idx[valid]  # sync
+    dDt = dP.new_zeros(E, S, S)  # dD transposed: [e, column s, row]
+    dDt[:, cols, rows] = dP.reshape(E, S, -1)[:, valid]  # sync
+    return dDt.transpose(1, 2)
+
+
+def unpack_indexed(dP: torch.Tensor, mmax: int) -> torch.Tensor:
+    """The same dD as the library gets it: the backward of ``edge_frame.pack``, a
+    scatter through the integer index ``pack`` precomputes once per (L, M, device)
+    and keeps on the device. No host sync, no copy."""
+    from ..edge_frame.launch import pack
+
+    E, S = dP.shape[0], dP.shape[1]
+    D = torch.zeros(E, S, S, dtype=dP.dtype, device=dP.device, requires_grad=True)
+    with torch.enable_grad():
+        (dD,) = torch.autograd.grad(pack(D, mmax), D, dP)
+    return dD
+
+
+def _api_calls(prof, names) -> int:
+    return sum(e.count for e in prof.key_averages() if e.key in names)
+
+
+def _unpack(out: Path, reps: list[int], dev: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    import ecekern
+    from ecekern.host_sync import HostSyncAudit
+    from ecekern.model import prepare_inputs
+
+    cfg = _config(dev)
+    M, S = cfg.M, cfg.S
+    rows, info = [], {}
+    for rep in reps:
+        _, _, graph = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
+        )
+        E = graph.n_edges
+        dP = torch.randn(E, S, 2, M + 1, device=dev)
+        want = unpack_indexed(dP, M)
+        for name, fn in (("masked", unpack_masked), ("indexed", unpack_indexed)):
+            got = fn(dP, M)
+            if not torch.equal(got, want):
+                raise AssertionError(f"unpack {name} differs from the library's")
+            with HostSyncAudit() as audit:
+                fn(dP, M)
+            sync_api = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+            activities = [ProfilerActivity.CPU]
+            if dev == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            n = 20 if dev == "cuda" else 2
+            with profile(activities=activities) as prof:
+                for _ in range(n):
+                    fn(dP, M)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+            if rep == reps[-1]:
+                (out / f"unpack_trace_{name}.txt").write_text(
+                    prof.key_averages().table(
+                        sort_by="self_cpu_time_total", row_limit=25
+                    )  # fmt: skip
+                )
+            host, wall = _host_and_wall(lambda: fn(dP, M), dev, n)
+            rows.append(
+                {
+                    "unpack": name,
+                    "n_edges": E,
+                    "wall_ms": wall,
+                    "host_ms": host,
+                    "syncs": audit.syncs,
+                    "h2d": audit.h2d,
+                    "sync_api_calls": _api_calls(prof, sync_api) / n,
+                    "gpu_ms": bench.time_fn(lambda: fn(dP, M)).median
+                    if dev == "cuda"
+                    else float("nan"),
+                    **bench.provenance(torch.float32),
+                }
+            )
+            print(f"unpack {name} E={E}: {rows[-1]['wall_ms']:.3f} ms", flush=True)
+        bench.write_csv(rows, out / "unpack.csv")
+    return info or "done"
+
+
+def _host_and_wall(fn, dev: str, n: int) -> tuple[float, float]:
+    """Per call, over ``n`` back-to-back calls: the host's time to return from the
+    call, and the wall time until the device is done (ms)."""
+    fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    host = 0.0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        host += time.perf_counter() - t
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return host / n * 1e3, wall / n * 1e3
+
+
+# --------------------------------------------------------------------------------------
+# audit: every sync and copy of one step
+# --------------------------------------------------------------------------------------
+def _audit(out: Path, rep: int, dev: str) -> dict:
+    import ecekern
+    from ecekern.host_sync import HostSyncAudit
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = _config(dev)
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
+    )
+    model = ecekern.ECEModel(cfg).to(dev)
+    rows, info = [], {}
+    for label, opts in PATHS.items():
+        if dev != "cuda" and label == "defaults":
+            opts = {"edge_frame": "packed", "zonal": "fused"}  # the interpreter
+        with options.use(**opts):
+            force_step(model, *inputs)  # compiles, checks the species, fills caches
+            with HostSyncAudit() as audit:
+                force_step(model, *inputs)
+            for kind, op, where, count in audit.counts():
+                rows.append({"options": label, "kind": kind, "op": op,
+                             "where": where, "count": count})  # fmt: skip
+            info[f"{label}: syncs, h2d"] = [audit.syncs, audit.h2d]
+            if dev == "cuda":
+                info[f"{label}: sync debug mode"] = _sync_debug(
+                    lambda: force_step(model, *inputs)
+                )
+    if not rows:
+        rows.append({"options": "all", "kind": "none", "op": "", "where": "",
+                     "count": 0})  # fmt: skip
+    bench.write_csv(
+        [{**r, "n_atoms": inputs[0].shape[0], **bench.provenance(torch.float32)}
+         for r in rows], out / "audit.csv",
+    )  # fmt: skip
+    return info
+
+
+def _sync_debug(fn) -> str:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        result = "no synchronising call"
+    except RuntimeError as exc:
+        result = f"raised: {exc}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# steps: eager against replay
+# --------------------------------------------------------------------------------------
+def _busy(fn, n: int) -> tuple[float, float]:
+    """The GPU's busy fraction and device ops (kernels, copies, fills) per call over
+    ``n`` back-to-back calls: their time from the profiler over the wall time from
+    the first launch to the end of the last one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    ops = [e for e in prof.events() if _on_device(e)]
+    busy_us = sum(e.time_range.elapsed_us() for e in ops)
+    return busy_us / wall_us, len(ops) / n
+
+
+def _on_device(e) -> bool:
+    """A kernel, memcpy or memset: an interval of the GPU's time."""
+    return str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"
+
+
+def _steps(out: Path, reps: list[int]) -> dict:
+    import ecekern
+    from ecekern.graph_step import GraphStep
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = _config("cuda")
+    rows: list[dict] = []
+    for rep in reps:
+        inputs = prepare_inputs(
+            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
+        )
+        pos, numbers, graph = inputs
+        N = pos.shape[0]
+        model = ecekern.ECEModel(cfg).to("cuda")
+        for label, opts in PATHS.items():
+            with options.use(**opts) as now:
+                eager = lambda: force_step(model, *inputs)
+                t0 = time.perf_counter()
+                holder = {}
+
+                def build():
+                    holder["step"] = GraphStep(model, numbers)
+                    holder["step"](pos, graph)
+
+                peak_replay = bench.peak_memory(build)
+                capture_s = time.perf_counter() - t0
+                step = holder["step"]
+                replay = lambda: step(pos, graph)
+                n = 20 if N <= 512 else 5
+                for mode, fn, peak in (
+                    ("eager", eager, bench.peak_memory(eager)),
+                    ("replay", replay, peak_replay),
+                ):
+                    t = bench.time_fn(fn, rep_ms=200.0 if N <= 512 else 0.0,
+                                      min_reps=10)  # fmt: skip
+                    host, wall = _host_and_wall(fn, "cuda", n)
+                    busy, kernels = _busy(fn, n)
+                    rows.append(
+                        {
+                            "options": label,
+                            "mode": mode,
+                            "n_atoms": N,
+                            "n_edges": graph.n_edges,
+                            "capacity": step.capacity if mode == "replay" else "",
+                            "step_ms": t.median,
+                            "step_p10_ms": t.p10,
+                            "step_p90_ms": t.p90,
+                            "wall_ms": wall,
+                            "host_ms": host,
+                            "gpu_busy": busy,
+                            "gpu_ops_per_step": kernels,
+                            "capture_s": capture_s if mode == "replay" else "",
+                            "peak_mem_MiB": peak / 2**20,
+                            "options_repr": repr(now),
+                            **bench.provenance(torch.float32),
+                        }
+                    )
+                    print(f"steps {label} {mode} {N}: {t.median:.2f} ms, host "
+                          f"{host:.2f} ms, busy {busy:.2f}", flush=True)  # fmt: skip
+                    bench.write_csv(rows, out / "steps.csv")
+                holder.clear()
+                step = replay = None
+                free()
+        model = inputs = None
+        free()
+    return "done"
