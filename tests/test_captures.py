@@ -300,7 +300,7 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     from ecekern.captures import progress
 
     cfg = ecekern.ECEConfig(
-        lmax=1, channels=4, n_gated=1, n_interactions=1, cutoff=3.0,
+        lmax=1, channels=4, n_gated=1, n_interactions=1, cutoff=2.0,
         radial_hidden=8, readout_hidden=8,
     )  # fmt: skip
     out = tmp_path / "01_reference"
