@@ -264,6 +264,11 @@ class ECEModel(nn.Module):
         if key is not None:
             self.__dict__["_numbers_seen"] = (weakref.ref(numbers), key)
 
+    def __getstate__(self):  # pickling (torch.save): the memo is not state
+        state = self.__dict__.copy()
+        state.pop("_numbers_seen", None)
+        return state
+
     def _check(
         self, positions: torch.Tensor, numbers: torch.Tensor, graph: Graph
     ) -> None:

@@ -516,13 +516,13 @@ def zonal_scatter(
     values = validate and not torch.compiler.is_compiling()
     reference.check_zonal_scatter(Z, R, dst, row_ptr, values=values)
     if options.current().reference:  # the one switch to the reference, anywhere
-        return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
+        return reference.zonal_scatter(Z, R, dst, row_ptr, scale, validate=False)
     reason = why_not_triton(Z.device.type)
     if reason is None and not 1 <= R.shape[1] <= 4:
         reason = f"L = {R.shape[1]} is outside 1..4"
     if reason is not None:
         options.fallback("zonal_scatter", reason)
-        return reference.zonal_scatter(Z, R, dst, row_ptr, scale)
+        return reference.zonal_scatter(Z, R, dst, row_ptr, scale, validate=False)
     # the kernels read the index tensors as contiguous (any strides for Z and R)
     dst, row_ptr = dst.contiguous(), row_ptr.contiguous()
     return _scatter_op(Z.contiguous(), R.contiguous(), dst, row_ptr, float(scale))

@@ -1,6 +1,7 @@
 """Chapter 4: a force step with no host syncs, padded to an edge capacity, replayed as
 a CUDA graph (the CPU runs the same padded step eagerly, Triton in its interpreter)."""
 
+import io
 import logging
 
 import numpy as np
@@ -98,6 +99,8 @@ def test_species_are_checked_once_per_numbers_tensor(model):
         with HostSyncAudit() as a:
             model.species_index(frozen)
         assert a.syncs == 1
+    model.species_index(numbers.fill_(6))
+    torch.save(model, io.BytesIO())  # the memo (a weak reference) is not pickled
 
 
 def test_constant_tables_are_copied_to_a_device_once():
