@@ -10,16 +10,22 @@ call. That needs a step with no host synchronisation and no host-to-device copy
 
 Shapes. The atoms are fixed: ``x (N, 3)``, ``numbers (N,)``. The edges are not: an MD
 step's neighbour list has ``E`` edges, a few more or fewer each step. The step stores
-them in buffers of a fixed *capacity* ``E_cap >= E``::
+them in buffers of a fixed *capacity* ``E_cap >= E``, with ``E_cap - E`` *padding
+edges* spread over the atoms, ``p_n = (E_cap - E) // N`` or one more to each::
 
-    src[:E], dst[:E], shifts[:E] = the graph's; row_ptr[:N] = the graph's
-    src[E:] = dst[E:] = N - 1, shifts[E:] = 0, row_ptr[N] = E_cap    (padding)
+    offset[n] = p_0 + ... + p_(n-1)                 (exclusive prefix sum, N+1)
+    row_ptr'  = row_ptr + offset                    (each segment p_n longer)
+    edge e of the graph goes to slot e + offset[dst_e]
+    the last p_n slots of atom n's segment: src = dst = n, shift = 0   (padding)
 
-so the padding edges are the last atom's self-edges with no shift, which the model
-moves beyond the cutoff (``Graph.padded``): they add exactly zero to the energy, the
-forces and the virial, and keep the edges sorted by destination. When a step brings
-more than ``E_cap`` edges, the capacity grows to ``headroom * E`` and the graph is
-captured again; the ``ecekern.graph_step`` logger says so.
+A padding edge is an atom's self-edge with no shift, a vector of length zero, which the
+model moves beyond the cutoff (``Graph.padded``): it adds exactly zero to the energy,
+the forces and the virial. The edges stay sorted by destination, and every atom's
+program in the CSR kernels of chapters 3 and 5 gets at most one padding edge more than
+another's (padding all on one atom would make that atom's program walk them all
+alone). When a step brings more than ``E_cap`` edges, the capacity grows to
+``headroom * E`` and the graph is captured again; the ``ecekern.graph_step`` logger
+says so.
 
 A capture bakes in the kernels the options chose (and TF32) and the parameters'
 addresses: in-place updates of the parameters are seen by the next replay; moved
@@ -146,24 +152,32 @@ class GraphStep:
         self.capacity = capacity
         self._x = torch.zeros(N, 3, dtype=self.dtype, device=dev)
         self._cell = torch.zeros(3, 3, dtype=self.dtype, device=dev)
-        self._src = torch.full((capacity,), N - 1, **long)
-        self._dst = torch.full((capacity,), N - 1, **long)
+        self._src = torch.zeros(capacity, **long)
+        self._dst = torch.zeros(capacity, **long)
         self._shifts = torch.zeros(capacity, 3, **long)
         self._row_ptr = torch.zeros(N + 1, **long)
-        self._row_ptr[N] = capacity  # the last atom's segment ends at the capacity
+        self._offset = torch.zeros(N + 1, **long)
+        self._atoms = torch.arange(N, **long)
+        self._slots = torch.arange(capacity, **long)
 
     def _load(self, positions: torch.Tensor, graph: Graph) -> None:
-        """The step's inputs into the buffers; the tail past E becomes padding."""
-        E, N = graph.n_edges, self.N
+        """The step's inputs into the buffers, the padding spread over the atoms
+        (module docstring). Device ops only, sized by E and the capacity: no sync."""
+        E, N, pad = graph.n_edges, self.N, self.capacity - graph.n_edges
         self._x.copy_(positions)
         self._cell.copy_(graph.cell)
-        self._src[:E].copy_(graph.src)
-        self._dst[:E].copy_(graph.dst)
-        self._shifts[:E].copy_(graph.shifts)
-        self._src[E:].fill_(N - 1)
-        self._dst[E:].fill_(N - 1)
-        self._shifts[E:].zero_()
-        self._row_ptr[:N].copy_(graph.row_ptr[:N])  # row_ptr[N] stays the capacity
+        n_pad = (self._atoms < pad % N).long() + pad // N  # (N,), sums to pad
+        torch.cumsum(n_pad, 0, out=self._offset[1:])
+        torch.add(graph.row_ptr, self._offset, out=self._row_ptr)
+        # every slot a padding self-edge of its segment's atom, then the real edges
+        seg = torch.searchsorted(self._row_ptr[1:], self._slots, right=True)
+        self._src.copy_(seg)
+        self._dst.copy_(seg)
+        self._shifts.zero_()
+        slot = self._slots[:E] + self._offset[graph.dst]
+        self._src[slot] = graph.src
+        self._dst[slot] = graph.dst
+        self._shifts[slot] = graph.shifts
 
     def _run(self) -> tuple:
         """The step on the buffers; what a capture records."""

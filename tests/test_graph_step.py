@@ -141,6 +141,28 @@ def test_padding_changes_nothing(models, path, stress):
     assert (out.virial is not None) == stress
 
 
+def test_the_padding_is_spread_over_the_atoms(model):
+    """The buffers hold a valid dst-sorted CSR graph: the real edges in their order,
+    each atom's padding at the end of its segment, at most one more on any atom."""
+    pos, numbers, graph = _inputs()
+    step = GraphStep(model, numbers, capacity=graph.n_edges + 21, graphs=False)
+    step(pos, graph)
+    with HostSyncAudit() as audit:  # the per-step load is sync-free as well
+        step._load(pos, graph)
+    audit.assert_none()
+    src, dst, shifts, row_ptr = step._src, step._dst, step._shifts, step._row_ptr
+    ecekern.reference.check_csr(dst, row_ptr, step.capacity, dst.device)
+    pad = (src == dst) & (shifts == 0).all(-1)
+    assert int(pad.sum()) == step.capacity - graph.n_edges
+    per_atom = torch.bincount(dst[pad], minlength=8)
+    assert int(per_atom.max() - per_atom.min()) <= 1
+    assert torch.equal(src[~pad], graph.src) and torch.equal(dst[~pad], graph.dst)
+    assert torch.equal(shifts[~pad], graph.shifts)
+    for n in range(8):  # padding last in each segment
+        seg = pad[row_ptr[n] : row_ptr[n + 1]]
+        assert torch.equal(seg, torch.sort(seg.int()).values.bool())
+
+
 def test_the_virial_matches_the_calculator_stress(model):
     atoms = ecekern.systems.diamond(1, rattle=0.1, seed=3)
     atoms.calc = ECECalculator(model, device=DEV)
