@@ -98,10 +98,11 @@ class HostSyncAudit(TorchDispatchMode):
     """Record every op that would make the host wait for a CUDA device, and every
     copy of host data to a device, while the context is open.
 
-    ``events`` lists them in order (:class:`SyncEvent`); ``syncs`` and ``h2d`` count
-    them; :meth:`table` groups them by op and source line. Tensors made from Python
-    data (``torch.tensor(...)``, op ``lift_fresh``) are counted as host-to-device
-    copies on any device: on the CPU they show where a GPU would copy.
+    ``events`` lists them in order (:class:`~ecekern.host_sync.SyncEvent`); ``syncs``
+    and ``h2d`` count them; :meth:`~ecekern.host_sync.HostSyncAudit.table` groups
+    them by op and source line. Tensors made from Python data
+    (``torch.tensor(...)``, op ``lift_fresh``) are counted as host-to-device copies
+    on any device: on the CPU they show where a GPU would copy.
     """
 
     def __init__(self):
@@ -149,6 +150,7 @@ class HostSyncAudit(TorchDispatchMode):
         return [(k, op, w, n) for (k, op, w), n in c.items()]
 
     def table(self) -> str:
+        """The :meth:`counts` as aligned text, one line per op and source line."""
         rows = self.counts()
         if not rows:
             return "no host syncs and no host-to-device copies"
