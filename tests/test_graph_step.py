@@ -194,6 +194,18 @@ def test_capacity_grows_past_an_overflow(model):
     assert rel_err(out.forces, f) < 1e-12
 
 
+@pytest.mark.filterwarnings("ignore::ecekern.options.FallbackWarning")
+def test_the_calculator_with_the_graph_step_gives_the_same_stress(model):
+    atoms = ecekern.systems.diamond(1, rattle=0.1, seed=4)
+    atoms.calc = ECECalculator(model, device=DEV)
+    want = atoms.get_stress(), atoms.get_forces(), atoms.get_potential_energy()
+    again = atoms.copy()
+    again.calc = ECECalculator(model, device=DEV, graph_step=True)
+    got = again.get_stress(), again.get_forces(), again.get_potential_energy()
+    for a, b in zip(got, want):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-12
+
+
 def test_atoms_without_edges(model):
     """Two atoms 10 A apart in a large box: no real edge, only padding."""
     from ase import Atoms
