@@ -28,8 +28,6 @@ numpy; multiply by ``1 / ase.units.GPa`` for GPa).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 from ase.calculators.calculator import (
@@ -38,7 +36,7 @@ from ase.calculators.calculator import (
     all_changes,
 )
 
-from .graph import build_graph
+from .graph import build_graph, with_cell
 from .graph_step import GraphStep
 from .graph_step import strained as _strained
 from .model import ECEModel
@@ -184,8 +182,13 @@ class ECECalculator(Calculator):
             )
 
     def _graph_step(self, positions, numbers, graph, periodic):
-        key = (tuple(self.atoms.numbers.tolist()), periodic)
-        if self._step is None or key != self._step_key:
+        # a new step for new atoms, another model, or the model in another dtype
+        key = (tuple(self.atoms.numbers.tolist()), periodic, self.dtype, self.device)
+        if (
+            self._step is None
+            or key != self._step_key
+            or self._step.model is not (self.model)
+        ):
             self._step = GraphStep(self.model, numbers, stress=periodic, graphs=True)
             self._step_key = key
         out = self._step(positions, graph)
@@ -201,7 +204,7 @@ class ECECalculator(Calculator):
                 eps = torch.zeros(3, 3, **kw, requires_grad=True)
                 wrt.append(eps)
                 # shifts stay integer and fixed: r_e' = r_e (I + eps) exactly
-                graph = dataclasses.replace(graph, cell=_strained(cell, eps))
+                graph = with_cell(graph, _strained(cell, eps))
                 energy = self.model(_strained(x, eps), numbers, graph)
             else:
                 energy = self.model(x, numbers, graph)

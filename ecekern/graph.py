@@ -39,7 +39,7 @@ them by unit vectors orthogonal to the periodic ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,9 +52,11 @@ __all__ = [
     "MIN_DISTANCE",
     "Graph",
     "build_graph",
+    "check_graph",
     "csr_row_ptr",
     "edge_vectors",
     "neighbor_list",
+    "with_cell",
 ]
 
 #: Two atoms (or an atom and a periodic image) closer than this, in Angstrom, are an
@@ -451,6 +453,9 @@ class Graph:
     row_ptr: torch.Tensor  # (N+1,) int64
     cell: torch.Tensor  # (3, 3) float
     padded: bool = False
+    #: whether the values were checked (:func:`check_graph`); ``build_graph``'s are,
+    #: a Graph made by hand or by ``dataclasses.replace`` is checked at first use
+    checked: bool = field(default=False, init=False, compare=False, repr=False)
 
     @property
     def n_edges(self) -> int:
@@ -459,6 +464,41 @@ class Graph:
     @property
     def n_nodes(self) -> int:
         return int(self.row_ptr.shape[0]) - 1
+
+
+def with_cell(graph: Graph, cell: torch.Tensor) -> Graph:
+    """The same graph with another cell (a strained one: the integer shifts stay);
+    a checked graph stays checked."""
+    new = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, cell, graph.padded)
+    object.__setattr__(new, "checked", graph.checked)
+    return new
+
+
+def check_graph(graph: Graph) -> Graph:
+    """Check a graph's values once: ``dst`` sorted with ``row_ptr`` its CSR pointer,
+    ``src`` and ``dst`` in ``[0, N)``, ``shifts (E, 3)`` int64. A ValueError names
+    what is wrong. The reads are host synchronisations, so they run once per Graph
+    object (it is marked ``checked``), and never for :func:`build_graph`'s, which
+    are correct by construction. Returns the graph."""
+    if graph.checked:
+        return graph
+    from .reference import check_csr
+
+    E, N = graph.n_edges, graph.n_nodes
+    for name in ("src", "shifts"):
+        t = getattr(graph, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            raise TypeError(f"graph.{name} must be an int64 tensor")
+    if graph.src.shape != (E,) or graph.shifts.shape != (E, 3):
+        raise ValueError(
+            f"graph.src must be ({E},) and graph.shifts ({E}, 3), got "
+            f"{tuple(graph.src.shape)} and {tuple(graph.shifts.shape)}"
+        )
+    check_csr(graph.dst, graph.row_ptr, E, graph.dst.device)
+    if E and (bool(graph.src.min() < 0) or bool(graph.src.max() >= N)):
+        raise ValueError(f"graph.src must hold atom indices in [0, {N})")
+    object.__setattr__(graph, "checked", True)
+    return graph
 
 
 def build_graph(
@@ -473,7 +513,9 @@ def build_graph(
     positions, cell, pbc, cutoff = _check_system(positions, cell, pbc, cutoff)
     max_edges = _check_max_edges(max_edges)
     src, dst, shifts = _neighbor_list(positions, cell, pbc, cutoff, max_edges)
-    return Graph(src, dst, shifts, csr_row_ptr(dst, positions.shape[0]), cell)
+    graph = Graph(src, dst, shifts, csr_row_ptr(dst, positions.shape[0]), cell)
+    object.__setattr__(graph, "checked", True)  # correct by construction
+    return graph
 
 
 def edge_vectors(

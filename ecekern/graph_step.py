@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers as _numbers
 from dataclasses import dataclass
 
 import torch
 
 from . import options
-from .graph import Graph
+from .graph import Graph, check_graph
 from .model import ECEModel
 
 __all__ = ["GraphStep", "StepResult", "strained"]
@@ -119,7 +120,9 @@ class GraphStep:
         if not (isinstance(headroom, (int, float)) and 1.0 <= headroom <= 16.0):
             raise ValueError(f"headroom must be a number in [1, 16], got {headroom!r}")
         if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0
+            isinstance(capacity, bool)
+            or not isinstance(capacity, _numbers.Integral)
+            or capacity < 0
         ):
             raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
         with torch.inference_mode(False):  # a tensor with a version counter
@@ -139,7 +142,8 @@ class GraphStep:
             )
             graphs = False
         self.graphs = bool(graphs)
-        self.capacity = -1 if capacity is None else _round_up(capacity)
+        # -1: chosen at the first step, from its edge count
+        self.capacity = -1 if capacity is None else _round_up(int(capacity))
         self.captures = 0
         self._graph = None
         self._out: tuple | None = None
@@ -147,6 +151,10 @@ class GraphStep:
 
     # -- buffers ---------------------------------------------------------------------
     def _allocate(self, capacity: int) -> None:
+        with torch.inference_mode(False):  # buffers that autograd may see
+            self._allocate_buffers(capacity)
+
+    def _allocate_buffers(self, capacity: int) -> None:
         N, dev = self.N, self.device
         long = dict(dtype=torch.long, device=dev)
         self.capacity = capacity
@@ -191,6 +199,7 @@ class GraphStep:
                 wrt.append(eps)
                 x, cell = strained(x, eps), strained(cell, eps)
             g = Graph(self._src, self._dst, self._shifts, self._row_ptr, cell, True)
+            object.__setattr__(g, "checked", True)  # _load keeps it a valid CSR
             energy = self.model(x, self.numbers, g)
             grads = torch.autograd.grad(energy, wrt)
         return (energy.detach(), -grads[0]) + tuple(grads[1:])
@@ -212,7 +221,7 @@ class GraphStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._graph = self._out = None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
             self._out = self._run()
         # the graph reads the parameters where they are now: in-place updates are
         # seen by the next replay; moved parameters or other options: a new capture
@@ -246,6 +255,19 @@ class GraphStep:
         """Energy, forces (and virial) for ``positions (N, 3)`` and the neighbour list
         ``graph`` (from :func:`~ecekern.graph.build_graph`, on the step's device)."""
         self._check(positions, graph)
+        check_graph(graph)  # a graph made by hand, once (build_graph's are checked)
+        p = next(self.model.parameters())
+        if (p.dtype, p.device) != (self.dtype, self.device):
+            raise ValueError(
+                f"the model is now {p.dtype} on {p.device}, this step was built for "
+                f"{self.dtype} on {self.device}: build a new GraphStep"
+            )
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                return self._step(positions, graph)
+        return self._step(positions, graph)
+
+    def _step(self, positions: torch.Tensor, graph: Graph) -> StepResult:
         E = graph.n_edges
         grow = self._x is None or E > self.capacity
         if grow:

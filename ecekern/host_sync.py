@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HostSyncAudit", "SyncEvent"]
@@ -47,6 +48,16 @@ _ALWAYS = {
     "bincount": "bincount: CUDA reads max(input) back to size the output",
     "equal": "torch.equal returns a Python bool",
     "is_nonzero": "a tensor read as a Python bool",
+    "allclose": "torch.allclose returns a Python bool",
+    "_linalg_check_errors": "linalg's error check reads the info tensor back",
+    "histc": "CUDA histc reads min and max back",
+}
+# tensor methods that copy to the host without an ATen op the dispatch mode sees
+_HOST_READS = {
+    torch.Tensor.tolist: "tolist: a copy to the host",
+    torch.Tensor.numpy: "numpy: a copy to the host",
+    torch.Tensor.cpu: "cpu: a copy to the host",
+    torch.Tensor.__array__: "__array__: a copy to the host",
 }
 _INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -94,6 +105,20 @@ def _device_of(x) -> torch.device | None:
     return x.device if isinstance(x, torch.Tensor) else None
 
 
+class _HostReads(TorchFunctionMode):
+    """The methods of :data:`_HOST_READS`, recorded into the audit."""
+
+    def __init__(self, audit):
+        super().__init__()
+        self.audit = audit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        why = _HOST_READS.get(func)
+        if why is not None:
+            self.audit._record("sync", func.__name__, why)
+        return func(*args, **(kwargs or {}))
+
+
 class HostSyncAudit(TorchDispatchMode):
     """Record every op that would make the host wait for a CUDA device, and every
     copy of host data to a device, while the context is open.
@@ -108,6 +133,17 @@ class HostSyncAudit(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events: list[SyncEvent] = []
+        self._reads = _HostReads(self)
+
+    def __enter__(self):
+        self._reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._reads.__exit__(*exc)
 
     def _record(self, kind, op, why):
         self.events.append(SyncEvent(kind, op, why, _where()))

@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from . import edge_frame, options, reference, so3, zonal
-from .graph import MIN_DISTANCE, Graph, build_graph, edge_vectors
+from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
@@ -169,9 +169,11 @@ class _Interaction(nn.Module):
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:
-    """Atomic number -> embedding row (-1 for unknown elements), ``(max Z + 1,)``."""
-    table = torch.full((max(cfg.species) + 1,), -1, dtype=torch.long)
-    table[list(cfg.species)] = torch.arange(len(cfg.species))
+    """Atomic number + 1 -> embedding row, -1 for unknown elements; ``(max Z + 3,)``:
+    ``table[z + 1]`` for ``z`` clamped to ``[-1, max Z + 1]``, so that every number
+    out of range lands on a -1 at either end."""
+    table = torch.full((max(cfg.species) + 3,), -1, dtype=torch.long)
+    table[[z + 1 for z in cfg.species]] = torch.arange(len(cfg.species))
     return table
 
 
@@ -223,12 +225,11 @@ class ECEModel(nn.Module):
                 f"numbers must be an integer tensor (torch.long), got {numbers.dtype}"
             )
         table = self._species_index
-        idx = table[numbers.clamp(0, table.shape[0] - 1).long()]
+        idx = table[numbers.long().clamp(-1, table.shape[0] - 2) + 1]  # -1: unknown
         if self._checked_numbers(numbers):
             return idx
-        known = (numbers >= 0) & (numbers < table.shape[0])
-        if not bool((known & (idx >= 0)).all()):  # the one host sync of the check
-            bad = sorted(set(numbers[~(known & (idx >= 0))].tolist()))
+        if not bool((idx >= 0).all()):  # the one host sync of the check
+            bad = sorted(set(numbers[idx < 0].tolist()))
             hint = (
                 "atomic numbers run from 1 to 118"
                 if any(not 1 <= z <= 118 for z in bad)
@@ -334,6 +335,7 @@ class ECEModel(nn.Module):
     ) -> torch.Tensor:
         """Per-atom energies ``(N,)``."""
         self._check(positions, numbers, graph)
+        check_graph(graph)  # a graph made by hand, once; build_graph's are checked
         cfg = self.config
         L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
         N = positions.shape[0]
@@ -354,12 +356,15 @@ class ECEModel(nn.Module):
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
             args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
-            # the graph's CSR was checked where it was built: no host syncs here
+            # the graph's CSR is checked (check_graph): no host syncs here
             if options.zonal_fused(Z.device.type):
                 h_rest = zonal.zonal_scatter(*args, validate=False)
             else:
                 h_rest = reference.zonal_scatter(*args, validate=False)
-            h0 = self.embedding(species)[:, None, :]
+            # a number changed behind the checked tensor's back (through numpy
+            # memory, say) is -1: its atom's energy is NaN, never another element's
+            rows = species.clamp(min=0)
+            h0 = self.embedding(rows)[:, None, :]
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
         for layer, rho_t in zip(
             self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
@@ -393,7 +398,8 @@ class ECEModel(nn.Module):
             with record_function("ece::node_update"):
                 h = reference.node_update(h, delta, layer.node_weight)
         with record_function("ece::readout"):
-            e = self.readout(h[:, 0, :]).squeeze(-1) + self.species_energy[species]
+            e = self.readout(h[:, 0, :]).squeeze(-1) + self.species_energy[rows]
+            e = torch.where(species >= 0, e, math.nan)
         return e
 
 

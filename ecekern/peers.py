@@ -83,7 +83,7 @@ class E3nnConvModel(nn.Module):
 
         cfg = self.config
         C = cfg.channels
-        species = self._species_index[numbers]
+        species = self._species_index[numbers + 1]
         r = edge_vectors(positions, graph)
         d = torch.linalg.vector_norm(r, dim=-1)
         rbf = radial_basis(d, cfg.n_rbf, cfg.cutoff)
@@ -262,7 +262,7 @@ class CueqConvModel(nn.Module):
         cfg = self.config
         C = cfg.channels
         kernels = self._kernels_for(positions)
-        species = self._species_index[numbers]
+        species = self._species_index[numbers + 1]
         r = edge_vectors(positions, graph)
         d = torch.linalg.vector_norm(r, dim=-1)
         rbf = radial_basis(d, cfg.n_rbf, cfg.cutoff)

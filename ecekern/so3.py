@@ -21,6 +21,7 @@ differentiable to any order (the Wigner matrix is a polynomial in the entries of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -35,6 +36,15 @@ __all__ = [
     "spherical_harmonics",
     "wigner_D",
 ]
+
+
+@contextlib.contextmanager
+def table_mode():
+    """Where tables cached across calls are made: as ordinary tensors even when the
+    first call comes under ``torch.inference_mode`` (an inference tensor cannot be
+    saved for a later backward) or with grad enabled."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def n_components(lmax: int) -> int:
@@ -142,6 +152,11 @@ def _fit_points(lmax: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     ``Y_l(R P) = Y_l(P) D_l^T`` for every rotation R, so
     ``D_l = (pinv(Y_l(P)) Y_l(R P))^T``, exactly, once ``Y_l(P)`` has full rank.
     """
+    with table_mode():
+        return _fit_points_cpu(lmax)
+
+
+def _fit_points_cpu(lmax: int):
     n = 2 * (2 * lmax + 1) + 2
     g = torch.Generator().manual_seed(1234)
     pts = torch.randn(n, 3, generator=g, dtype=torch.float64)
@@ -160,7 +175,8 @@ def _fit_points_on(lmax: int, device: torch.device, dtype: torch.dtype):
     """:func:`_fit_points` on ``device`` in ``dtype``, copied there once: a
     host-to-device copy per call would cost a host synchronisation every step."""
     pts, pinvs = _fit_points(lmax)
-    return pts.to(device, dtype), tuple(p.to(device, dtype) for p in pinvs)
+    with table_mode():
+        return pts.to(device, dtype), tuple(p.to(device, dtype) for p in pinvs)
 
 
 def wigner_D(lmax: int, rotation: torch.Tensor) -> torch.Tensor:
@@ -291,6 +307,12 @@ class LMTables:
     """
 
     def __init__(self, lmax: int, mmax: int | None = None):
+        with table_mode():
+            self._build(lmax, mmax)
+        self._on: dict[torch.device, LMTables] = {}
+        self._base = self
+
+    def _build(self, lmax: int, mmax: int | None) -> None:
         _check_lmax(lmax)
         mmax = lmax if mmax is None else mmax
         if not (isinstance(mmax, int) and 0 <= mmax <= lmax):
@@ -319,25 +341,26 @@ class LMTables:
                 flat = l * (M + 1) + abs(m)
                 pack[s] = flat if m >= 0 else n_slots + flat
         self.pack_index = pack
-        self._on: dict[torch.device, LMTables] = {}
 
     def on(self, device) -> LMTables:
         """These tables with every tensor on ``device``, copied there once and
         cached (the model asks for them every step; a copy per call would be a
         host-to-device copy, and a host synchronisation, per call)."""
         device = torch.device(device)
+        base = self._base
         if device.type == "cpu":
-            return self
+            return base
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        tab = self._on.get(device)
+        tab = base._on.get(device)
         if tab is None:
             tab = LMTables.__new__(LMTables)
-            tab.__dict__.update(self.__dict__)
-            for name in _TABLE_NAMES:
-                setattr(tab, name, getattr(self, name).to(device))
+            tab.__dict__.update(base.__dict__)
+            with table_mode():
+                for name in _TABLE_NAMES:
+                    setattr(tab, name, getattr(base, name).to(device))
             tab._on = {}
-            self._on[device] = tab
+            base._on[device] = tab
         return tab
 
     def __repr__(self) -> str:

@@ -59,9 +59,11 @@ def test_the_audit_finds_every_kind_of_sync():
         _ = torch.bincount(x.long())
         _ = torch.tensor([1.0, 2.0])
         _ = torch.repeat_interleave(torch.tensor([1, 2]))
+        _ = x.tolist(), x.numpy(), x.cpu(), torch.allclose(x, x)
     ops = [e.op for e in audit.events]
     assert ops.count("_local_scalar_dense") == 2
-    for op in ("index", "nonzero", "bincount", "lift_fresh", "repeat_interleave"):
+    for op in ("index", "nonzero", "bincount", "lift_fresh", "repeat_interleave",
+               "tolist", "numpy", "cpu", "allclose"):  # fmt: skip
         assert op in ops, op
     assert all("test_graph_step.py" in e.where for e in audit.events)
     with pytest.raises(AssertionError, match="host syncs"):
@@ -106,9 +108,44 @@ def test_species_are_checked_once_per_numbers_tensor(model):
 def test_constant_tables_are_copied_to_a_device_once():
     t = lm_tables(2, 1)
     assert t.on("cpu") is t
+    meta = t.on("meta")  # a device without data: the copies themselves
+    assert meta is t.on("meta") and meta.pack_index.device.type == "meta"
+    assert meta.on("cpu") is t
     if torch.cuda.is_available():
         assert t.on("cuda") is t.on("cuda:0")
         assert t.on("cuda").pack_index.device.type == "cuda"
+
+
+def test_a_first_call_under_inference_mode_leaves_no_inference_tables():
+    """Tables cached at the first call are ordinary tensors even when that call ran
+    under inference_mode: the force step after it still works."""
+    from ecekern import so3
+    from ecekern.edge_frame import launch
+
+    for fn in (so3.lm_tables, so3._fit_points, so3._fit_points_on,
+               launch._tables_cpu, launch._pack_index_cpu):  # fmt: skip
+        fn.cache_clear()
+    launch._TABLES.clear()
+    model = ecekern.ECEModel(NEAREST).double().to(DEV)
+    pos, numbers, graph = _inputs(cutoff=NEAREST.cutoff)
+    with torch.inference_mode():
+        e0 = model(pos, numbers, graph)
+        step = GraphStep(model, numbers, graphs=False)
+        step(pos, graph)  # buffers allocated under inference_mode
+    e, f = force_step(model, pos, numbers, graph)
+    assert torch.isfinite(f).all() and torch.equal(e, e0)
+    assert rel_err(step(pos, graph).forces, f) < 1e-12
+
+
+def test_a_number_changed_behind_the_check_gives_nan_not_another_element(model):
+    pos, numbers, graph = prepare_inputs(
+        ecekern.systems.diamond(1, rattle=0.1, seed=1), TINY.cutoff
+    )  # on the CPU: numpy shares the tensor's memory
+    arr = numbers.numpy()  # writes through it bypass the version counter
+    model_cpu = ecekern.ECEModel(TINY).double()
+    assert torch.isfinite(model_cpu(pos, numbers, graph))
+    arr[0] = 200  # out of every table, after the check
+    assert torch.isnan(model_cpu(pos, numbers, graph))
 
 
 # 2. padding ---------------------------------------------------------------------------
@@ -126,7 +163,7 @@ def test_a_padded_graph_needs_the_pad_length():
 def test_padding_changes_nothing(models, path, stress):
     """Padding edges beside 116 (fast: 32) real ones: energy, forces and virial are
     those of the unpadded step. Every padding term is an exact zero added at the end
-    of the last atom's sums; what differs is the GEMMs over edges, whose kernels
+    of each atom's sums; what differs is the GEMMs over edges, whose kernels
     block by E and so may round the last bit of a row differently (2e-19 eV/A
     measured on the CPU)."""
     model = models[path]
@@ -204,6 +241,28 @@ def test_the_calculator_with_the_graph_step_gives_the_same_stress(model):
     got = again.get_stress(), again.get_forces(), again.get_potential_energy()
     for a, b in zip(got, want):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-12
+
+
+def test_a_hand_made_graph_is_checked_once(model):
+    """A Graph not from build_graph is checked at first use (host syncs, once): an
+    unsorted one is a ValueError, never a wrong energy."""
+    from ecekern.graph import Graph
+
+    pos, numbers, graph = _inputs()
+    perm = torch.randperm(graph.n_edges, generator=torch.Generator().manual_seed(0))
+    shuffled = Graph(graph.src[perm.to(DEV)], graph.dst[perm.to(DEV)],
+                     graph.shifts[perm.to(DEV)], graph.row_ptr, graph.cell)  # fmt: skip
+    step = GraphStep(model, numbers, graphs=False)
+    with pytest.raises(ValueError, match="sorted|CSR"):
+        step(pos, shuffled)
+    with pytest.raises(ValueError, match="sorted|CSR"):
+        model(pos, numbers, shuffled)
+    same = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, graph.cell)
+    with HostSyncAudit() as first:
+        model(pos, numbers, same)
+    with HostSyncAudit() as again:
+        model(pos, numbers, same)
+    assert first.syncs > 0 and again.syncs == 0 and same.checked
 
 
 def test_atoms_without_edges(model):

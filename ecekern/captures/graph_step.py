@@ -15,8 +15,10 @@ Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32, fp32):
   and whether the step runs under ``torch.cuda.set_sync_debug_mode("error")``;
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, eager and replayed
   as a :class:`~ecekern.graph_step.GraphStep`, under the defaults and the reference:
-  time, the host's time per step, the GPU's busy fraction and kernels per step (the
-  profiler over consecutive steps), the capture's cost and peak memory.
+  time, the host's time per step, the GPU's busy fraction and device ops per step
+  (the profiler over consecutive steps), the capture's cost (two eager warm-up steps
+  and the recording, kernels already compiled) and peak memory (for a replay: the
+  peak while the step is built and captured; the graph's pool keeps that memory).
 """
 
 from __future__ import annotations
@@ -294,6 +296,8 @@ def _steps(out: Path, reps: list[int]) -> dict:
         for label, opts in PATHS.items():
             with options.use(**opts) as now:
                 eager = lambda: force_step(model, *inputs)
+                eager()  # compiles the kernels: the capture's time below is its own
+                torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 holder = {}
 

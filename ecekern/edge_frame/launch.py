@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import split_scale, tl, triton
-from ..so3 import lm_tables
+from ..so3 import lm_tables, table_mode
 from .kernels import (
     _rotate_bwd_kernel,
     _rotate_fwd_kernel,
@@ -45,8 +45,9 @@ def _tables_cpu(L: int, M: int) -> torch.Tensor:
     ``(l, m)`` selects, -1 where the slot is empty; int32 ``(2, L+1, n_ang)``."""
     t = lm_tables(L, M)
     S = t.S
-    tab = torch.stack([t.cos_index, t.sin_index]).to(torch.int32)
-    return torch.where(tab == S, -1, tab).contiguous()
+    with table_mode():
+        tab = torch.stack([t.cos_index, t.sin_index]).to(torch.int32)
+        return torch.where(tab == S, -1, tab).contiguous()
 
 
 _TABLES: dict = {}
@@ -57,7 +58,8 @@ def tables(L: int, M: int, device: torch.device) -> torch.Tensor:
     key = (L, M, str(device))
     tab = _TABLES.get(key)
     if tab is None:
-        tab = _TABLES[key] = _tables_cpu(L, M).to(device)
+        with table_mode():
+            tab = _TABLES[key] = _tables_cpu(L, M).to(device)
     return tab
 
 
@@ -67,12 +69,13 @@ def _pack_index_cpu(L: int, M: int) -> torch.Tensor:
     row) where the slot is empty or of another degree than s."""
     t = lm_tables(L, M)
     S, NA = t.S, t.n_ang
-    idx = torch.full((S, 2 * NA), S, dtype=torch.long)
-    for s in range(S):
-        l = int(t.l_of_s[s])
-        for m in range(NA):
-            idx[s, m] = t.cos_index[l, m]
-            idx[s, NA + m] = t.sin_index[l, m]
+    with table_mode():
+        idx = torch.full((S, 2 * NA), S, dtype=torch.long)
+        for s in range(S):
+            l = int(t.l_of_s[s])
+            for m in range(NA):
+                idx[s, m] = t.cos_index[l, m]
+                idx[s, NA + m] = t.sin_index[l, m]
     return idx
 
 
@@ -86,7 +89,9 @@ def pack(D: torch.Tensor, mmax: int) -> torch.Tensor:
     key = (L, mmax, str(D.device))
     idx = _TABLES.get(("pack",) + key)
     if idx is None:
-        idx = _TABLES[("pack",) + key] = _pack_index_cpu(L, mmax).to(D.device)
+        with table_mode():
+            idx = _pack_index_cpu(L, mmax).to(D.device)
+        _TABLES[("pack",) + key] = idx
     Dt = torch.nn.functional.pad(D.transpose(1, 2), (0, 1))  # (E, S, S+1): D^T | 0
     P = torch.gather(Dt, 2, idx.unsqueeze(0).expand(E, S, 2 * NA))
     return P.view(E, S, 2, NA)
