@@ -161,6 +161,24 @@ def parse_parts(parts: str, known: tuple[str, ...]) -> dict[str, str]:
     return todo
 
 
+def run_parts(parts, todo: dict, info: dict, dev: str, gpu_only=("steps",)) -> None:
+    """Run each ``(name, fn)`` of ``parts`` that ``todo`` asks for, on its own: one
+    that fails says so in ``info`` (the manifest), the rest still run; the parts in
+    ``gpu_only`` are skipped, and said so, without a GPU."""
+    for part, fn in parts:
+        if part not in todo:
+            continue
+        if part in gpu_only and dev != "cuda":
+            info[part] = "skipped: no GPU"
+            continue
+        try:
+            info[part] = fn()
+        except Exception as exc:
+            info[part] = f"failed: {exc!r}"[:500]
+            print(part, "failed:", repr(exc), flush=True)
+        free()
+
+
 def ceilings() -> dict:
     """Our measured H200 ceilings from the methodology capture (fallbacks otherwise)."""
     from . import load

@@ -36,6 +36,7 @@ from .common import (
     profile_table,
     rel_err_gpu,
     run_ncu,
+    run_parts,
 )
 
 __all__ = ["capture", "step_tensors"]
@@ -68,23 +69,12 @@ def capture(
     dev = device()
     info: dict = {"parts": sorted(todo), "launch": repr(edge_frame.EdgeFrameLaunch())}
     reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    # each part on its own: one that fails says so in the manifest, the rest still run
-    for part, fn in (
+    parts = (
         ("launch", lambda: _launch(out, reps, dev)),
         ("kernels", lambda: _kernels(out, reps)),
         ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
-    ):
-        if part not in todo:
-            continue
-        if part == "steps" and dev != "cuda":
-            info["steps"] = "skipped: no GPU"
-            continue
-        try:
-            info[part] = fn()
-        except Exception as exc:
-            info[part] = f"failed: {exc!r}"[:500]
-            print(part, "failed:", repr(exc), flush=True)
-        free()
+    )
+    run_parts(parts, todo, info, dev)
     if dev == "cuda" and ncu and "ncu" in todo:
         info["ncu_order"] = [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER]
         info["ncu_edge_frame"] = run_ncu("edge_frame", out / "ncu_edge_frame.csv")

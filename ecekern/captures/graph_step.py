@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from .common import device, free, parse_parts
+from .common import device, free, parse_parts, run_parts
 
 __all__ = ["capture", "unpack_indexed", "unpack_masked"]
 
@@ -52,22 +52,12 @@ def capture(
     dev = device()
     info: dict = {"parts": sorted(todo)}
     reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    for part, fn in (
+    parts = (
         ("unpack", lambda: _unpack(out, reps, dev)),
         ("audit", lambda: _audit(out, 1 if dev != "cuda" else 4, dev)),
         ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
-    ):
-        if part not in todo:
-            continue
-        if part == "steps" and dev != "cuda":
-            info["steps"] = "skipped: no GPU"
-            continue
-        try:
-            info[part] = fn()
-        except Exception as exc:
-            info[part] = f"failed: {exc!r}"[:500]
-            print(part, "failed:", repr(exc), flush=True)
-        free()
+    )
+    run_parts(parts, todo, info, dev)
     return info
 
 
