@@ -404,6 +404,10 @@ def test_gpu_replay_equals_eager(dtype):
     again = step(pos2, graph)  # a replay is deterministic
     assert torch.equal(again.forces, second.forces)
     assert step.captures == 1
+    with torch.no_grad():  # an in-place update of a parameter reaches the replay
+        model.species_energy.add_(0.25)
+    e3, _ = force_step(model, pos2, numbers, graph)
+    assert rel_err(step(pos2, graph).energy, e3) < tol and step.captures == 1
     with options.use(reference=True):  # other kernels: captured again
         ref = step(pos2, graph)
         e_ref, f_ref = force_step(model, pos2, numbers, graph)
