@@ -184,11 +184,8 @@ class ECECalculator(Calculator):
     def _graph_step(self, positions, numbers, graph, periodic):
         # a new step for new atoms, another model, or the model in another dtype
         key = (tuple(self.atoms.numbers.tolist()), periodic, self.dtype, self.device)
-        if (
-            self._step is None
-            or key != self._step_key
-            or self._step.model is not (self.model)
-        ):
+        stale = self._step is None or self._step.model is not self.model
+        if stale or key != self._step_key:
             self._step = GraphStep(self.model, numbers, stress=periodic, graphs=True)
             self._step_key = key
         out = self._step(positions, graph)

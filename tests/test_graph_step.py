@@ -265,6 +265,19 @@ def test_a_hand_made_graph_is_checked_once(model):
     assert first.syncs > 0 and again.syncs == 0 and same.checked
 
 
+@pytest.mark.filterwarnings("ignore::ecekern.options.FallbackWarning")
+def test_the_calculator_follows_a_replaced_model(model):
+    atoms = ecekern.systems.diamond(1, rattle=0.1, seed=4)
+    atoms.calc = ECECalculator(model, device=DEV, graph_step=True)
+    e1 = atoms.get_potential_energy()
+    other = ecekern.ECEModel(ecekern.ECEConfig(**{**TINY.to_dict(), "seed": 7}))
+    atoms.calc.model = other.double().to(DEV)
+    atoms.calc.reset()
+    e2 = atoms.get_potential_energy()
+    want, _ = ecekern.energy_and_forces(atoms.calc.model, atoms)
+    assert e2 != e1 and abs(e2 - float(want)) < 1e-12
+
+
 def test_atoms_without_edges(model):
     """Two atoms 10 A apart in a large box: no real edge, only padding."""
     from ase import Atoms
