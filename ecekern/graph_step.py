@@ -87,7 +87,10 @@ class GraphStep:
         capacity: the edges the first capture holds (None: the first graph's edge
             count times ``headroom``).
         headroom: the capacity of a (re)capture is ``ceil(headroom * E)``, rounded up
-            to a multiple of :data:`CAPACITY_QUANTUM`.
+            to a multiple of :data:`CAPACITY_QUANTUM`. Every padding edge costs what
+            an edge costs (the per-edge GEMMs and kernels run over ``E_cap`` rows),
+            so the replay's GPU time grows by about ``E_cap / E``; a larger headroom
+            buys fewer recaptures when the neighbour count drifts.
         stress: also return the virial ``dE/d eps`` of a strain of positions and cell.
         graphs: replay a CUDA graph (None: on CUDA devices). ``True`` on a device
             without CUDA graphs falls back to the eager step with a
@@ -102,7 +105,7 @@ class GraphStep:
         model: ECEModel,
         numbers: torch.Tensor,
         capacity: int | None = None,
-        headroom: float = 1.25,
+        headroom: float = 1.05,
         stress: bool = False,
         graphs: bool | None = None,
     ):

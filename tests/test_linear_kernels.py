@@ -185,9 +185,11 @@ def test_gpu_compiled_equals_eager_for_every_linear_path(dtype, tf32, path, tol)
             for _ in range(2)
         ]
 
-        def f(xc, xs):
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+        def f(xc, xs):  # the energy summed in float64 when the inputs are float64
             y_c, y_s = lin(xc, xs)
-            e = (y_c.float() ** 2).sum() + y_s.float().sum()
+            e = (y_c.to(acc) ** 2).sum() + y_s.to(acc).sum()
             return e, torch.autograd.grad(e, (xc, xs))
 
         e0, g0 = f(*x)
