@@ -23,7 +23,7 @@ EDGE, INK, CH, PLANNED = "#555555", "#222222", "#b3541e", "#777777"
 # (title, body, colour, chapter tag); a tag is the chapter that makes the stage a
 # kernel, or "planned". Chapter 1 writes every stage in plain PyTorch.
 ONCE = [
-    ("graph", "neighbour list,\nedges sorted by dst", BLUE, None),
+    ("graph", "neighbour list,\nedges sorted by dst", BLUE, "ch 4"),
     ("geometry", "edge vectors r_e,\nradial basis + MLP", BLUE, None),
     ("edge frames", "rotations D_e that\nturn each edge to z", ORANGE, None),
     ("initial embedding", "zonal scatter\ninto h0 (N, S, C)", ORANGE, "ch 5"),
@@ -147,8 +147,8 @@ def main(path="book/figures/model.png"):
     ax.text(
         0.16,
         0.14,
-        "Chapter 1: every stage in plain PyTorch.  ch 2, ch 5: made a kernel there.  "
-        "planned: not yet.",
+        "Chapter 1: every stage in PyTorch.  ch 2, 3, 5: a kernel there.  "
+        "ch 4: edges in a fixed capacity.",
         fontsize=BODY,
         color=INK,
         va="bottom",
