@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import edge_frame, options, reference, so3, zonal
+from . import cohorts, edge_frame, options, reference, so3, zonal
 from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
-from .linear import EquivariantLinear
+from .linear import EquivariantLinear, equivariant_linear
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
 
@@ -166,6 +166,20 @@ class _Interaction(nn.Module):
         )
         self.out = EquivariantLinear(F, C * (L + 1), n_ang)
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
+
+
+def _cohort_stack(layer: _Interaction, x_cos, x_sin):
+    """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
+    the layer's own EquivariantLinear path."""
+    path = layer.out.path
+
+    def linear(xc, xs, w, b):
+        return equivariant_linear(xc, xs, w, b, path)
+
+    return cohorts.mixing_stack(
+        x_cos, x_sin, [lin.weight for lin in layer.gated],
+        [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
+    )  # fmt: skip
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:
@@ -381,12 +395,15 @@ class ECEModel(nn.Module):
                     x_cos = x_cos * rho_t[:, :, None]
                     x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
-                u_cos, u_sin = x_cos, x_sin
-                for lin in layer.gated:
-                    z_cos, z_sin = lin(u_cos, u_sin)
-                    g_cos, g_sin = reference.gate(z_cos, z_sin)
-                    u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
-                y_cos, y_sin = layer.out(u_cos, u_sin)
+                if options.cohorts_on():  # chapter 6: the backward in cohorts
+                    y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
+                else:
+                    u_cos, u_sin = x_cos, x_sin
+                    for lin in layer.gated:
+                        z_cos, z_sin = lin(u_cos, u_sin)
+                        g_cos, g_sin = reference.gate(z_cos, z_sin)
+                        u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
+                    y_cos, y_sin = layer.out(u_cos, u_sin)
             if frames is not None:  # the message never leaves the registers
                 with record_function("ece::pack_and_unrotate"):
                     delta = frames.unrotate_and_aggregate(y_cos, y_sin, k, env)

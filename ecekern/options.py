@@ -54,16 +54,22 @@ class Options:
             ``"auto"`` (``"packed"`` on CUDA, the reference elsewhere),
             ``"reference"``, ``"table"`` (the kernels reading D through the (l, m)
             tables) or ``"packed"`` (reading the tiles packed once per step).
+        cohorts: the mixing stack's backward a cohort of edges at a time (chapter 6,
+            :mod:`ecekern.cohorts`): keeps only the stack's input for the backward.
+            Off by default until it is measured on a GPU.
     """
 
     reference: bool = False
     linear: str = "auto"
     zonal: str = "auto"
     edge_frame: str = "auto"
+    cohorts: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.reference, bool):
-            raise TypeError(f"option reference must be a bool, got {self.reference!r}")
+        for name in ("reference", "cohorts"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"option {name} must be a bool, got {value!r}")
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
                 f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"
@@ -92,7 +98,7 @@ def _from_environment(base: Options) -> Options:
         if name in os.environ:
             raw = os.environ[name]
             changes[f.name] = (
-                _parse_bool(name, raw) if f.name == "reference" else raw.strip()
+                _parse_bool(name, raw) if f.type in (bool, "bool") else raw.strip()
             )
     try:
         return dataclasses.replace(base, **changes)
@@ -132,6 +138,12 @@ def edge_frame_path(device_type: str) -> str:
     if _current.edge_frame == "auto":
         return "packed" if device_type == "cuda" else "reference"
     return _current.edge_frame
+
+
+def cohorts_on() -> bool:
+    """Whether the model's mixing stack runs its backward in cohorts (never under
+    ``reference``)."""
+    return _current.cohorts and not _current.reference
 
 
 def set_options(**changes) -> Options:

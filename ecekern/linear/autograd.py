@@ -20,6 +20,8 @@ import weakref
 import torch
 
 from .. import options
+from .._autograd import engine_uses as _engine_uses
+from .._autograd import grad_node as _grad_node
 from .dense import bwd_w_gemm
 from .gluon_fma import FmaLaunch, fma_fwd
 from .gluon_tc import operand_reason, tc_fwd
@@ -139,30 +141,6 @@ def run_kernel(x, weight, bias, tf32: bool, transposed: bool = False) -> torch.T
 # --------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------
-def _grad_node(t: torch.Tensor):
-    """The autograd node that receives ``t``'s gradient (for a leaf, its
-    ``AccumulateGrad``); None if t does not require grad."""
-    if not t.requires_grad:
-        return None
-    if t.grad_fn is not None:
-        return t.grad_fn
-    with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _engine_uses(node) -> bool:
-    """Whether the running backward pass will execute ``node``: False when
-    ``torch.autograd.grad`` asks for other inputs only (forces ask for positions, not
-    weights), True for ``.backward()`` and wherever PyTorch cannot say."""
-    will = getattr(torch._C, "_will_engine_execute_node", None)
-    if node is None or will is None:
-        return node is not None
-    try:
-        return bool(will(node))
-    except RuntimeError:  # not inside a backward pass of the autograd engine
-        return True
-
-
 class EquivariantLinearFn(torch.autograd.Function):
     """``(x_cos, x_sin, weight, bias, tf32) -> (y_cos, y_sin)`` by the plan's kernels;
     x ``(B, K, n_ang)``."""

@@ -1,0 +1,208 @@
+"""Edge cohorts (chapter 6): the mixing stack's backward, a cohort of edges at a time.
+
+Formula (:func:`ecekern.reference.mixing_stack`), for each edge's row independently::
+
+    u_0 = x;   u_k = u_(k-1) + gate(Linear_k(u_(k-1))),  k = 1..K;   y = Linear_out(u_K)
+
+Shapes: ``x_cos, x_sin (..., F, n_ang)``; ``W_k (n_ang, F, F)``, ``b_k (F,)`` or None;
+``W_out (n_ang, F', F)``, ``b_out (F',)`` or None; ``y_cos, y_sin (..., F', n_ang)``.
+The leading dimensions are the edges, ``E`` rows in all.
+
+Autograd through the plain stack keeps every ``z_k``, gate and ``u_k`` of all E rows
+for the backward: about ``3K + 2`` activations of ``E F n_ang`` values, cos and sin.
+Here the forward runs cohort by cohort under ``no_grad`` and keeps only ``x`` and the
+parameters. The backward takes each cohort of at most ``cohort_edges`` rows,
+recomputes its forward with autograd and runs its backward at once: ``dx`` for those
+rows, the parameters' gradients summed over the cohorts in order (deterministic).
+
+Bytes model: saved for the backward, ``2 E F n_ang`` values (x) instead of about
+``(3K + 2) 2 E F n_ang``; scratch, one cohort's graph, about ``(3K + 2) 2 c F n_ang``
+values for ``c = cohort_edges``, whatever E is. The price is one more forward of the
+stack in the backward.
+
+Gradients: x, the weights and biases (skipped in a force step, which asks for the
+positions only). A second derivative (training on forces) recomputes the whole stack
+differentiably, at the plain stack's memory.
+
+Status: PyTorch level, any device and any ``linear``; while ``torch.compile`` traces,
+the plain stack is traced (the compiler plans its own memory). Tested on the CPU
+against the reference in float64; not yet measured on a GPU, so the ``cohorts``
+option is off by default.
+"""
+
+from __future__ import annotations
+
+import numbers as _numbers
+
+import torch
+
+from . import reference
+from ._autograd import engine_uses, grad_node
+
+__all__ = ["COHORT_EDGES", "mixing_stack"]
+
+#: Rows (edges) per cohort unless told otherwise.
+COHORT_EDGES = 8192
+
+
+def _stack(x_cos, x_sin, params, K, linear):
+    weights, biases = params[:K], params[K : 2 * K]
+    return reference.mixing_stack(
+        x_cos, x_sin, list(weights), list(biases), params[2 * K], params[2 * K + 1],
+        linear,
+    )  # fmt: skip
+
+
+def _forward(x_cos, x_sin, params, K, linear, cohort):
+    """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output."""
+    E = x_cos.shape[0]
+    if E <= cohort:
+        return _stack(x_cos, x_sin, params, K, linear)
+    out = None
+    for a in range(0, E, cohort):
+        b = min(a + cohort, E)
+        y_cos, y_sin = _stack(x_cos[a:b], x_sin[a:b], params, K, linear)
+        if out is None:
+            out = tuple(y.new_empty((E, *y.shape[1:])) for y in (y_cos, y_sin))
+        out[0][a:b], out[1][a:b] = y_cos, y_sin
+    return out
+
+
+class _CohortStack(torch.autograd.Function):
+    """``(x_cos, x_sin, linear, cohort, K, *params) -> (y_cos, y_sin)``, rows ``(E,
+    F, n_ang)``; params = K weights, K biases, the output weight and bias."""
+
+    @staticmethod
+    def forward(ctx, x_cos, x_sin, linear, cohort, K, *params):
+        ctx.save_for_backward(x_cos, x_sin, *params)
+        ctx.linear, ctx.cohort, ctx.K = linear, cohort, K
+        ctx.nodes = [None if p is None else grad_node(p) for p in params]
+        return _forward(x_cos, x_sin, params, K, linear, cohort)
+
+    @staticmethod
+    def backward(ctx, g_cos, g_sin):
+        x_cos, x_sin, *params = ctx.saved_tensors
+        K, linear, n_in = ctx.K, ctx.linear, 5
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        double = torch.is_grad_enabled()
+        want = [
+            i
+            for i, p in enumerate(params)
+            if p is not None
+            and ctx.needs_input_grad[n_in + i]
+            and (double or engine_uses(ctx.nodes[i]))
+        ]
+        grads_p: list = [None] * len(params)
+        dx_cos = dx_sin = None
+        if double:  # a second derivative: the whole stack, differentiably
+            xs = [x_cos, x_sin] if need_x else []
+            with torch.enable_grad():
+                y = _stack(x_cos, x_sin, params, K, linear)
+                wrt = xs + [params[i] for i in want]
+                got = torch.autograd.grad(
+                    y, wrt, (g_cos, g_sin), create_graph=True, allow_unused=True
+                )
+            if need_x:
+                dx_cos, dx_sin = got[0], got[1]
+            for i, g in zip(want, got[len(xs) :], strict=True):
+                grads_p[i] = torch.zeros_like(params[i]) if g is None else g
+        else:
+            dx_cos, dx_sin, grads_p = _cohort_backward(
+                x_cos, x_sin, params, g_cos, g_sin, K, linear, ctx.cohort, need_x,
+                want,
+            )  # fmt: skip
+        if not ctx.needs_input_grad[0]:
+            dx_cos = None
+        if not ctx.needs_input_grad[1]:
+            dx_sin = None
+        return dx_cos, dx_sin, None, None, None, *grads_p
+
+
+def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need_x,
+                     want):  # fmt: skip
+    """dx row by row of cohorts, parameter gradients summed over cohorts in order."""
+    E = x_cos.shape[0]
+    dx_cos = torch.empty_like(x_cos) if need_x else None
+    dx_sin = torch.empty_like(x_sin) if need_x else None
+    grads_p: list = [None] * len(params)
+    for a in range(0, E, cohort):
+        b = min(a + cohort, E)
+        with torch.enable_grad():
+            xc = x_cos[a:b].detach().requires_grad_(need_x)
+            xs = x_sin[a:b].detach().requires_grad_(need_x)
+            y = _stack(xc, xs, params, K, linear)
+            gy = (g_cos[a:b], g_sin[a:b])  # autograd materialises unused ones as zeros
+            inputs = ([xc, xs] if need_x else []) + [params[i] for i in want]
+            if not inputs:
+                break
+            got = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+        if need_x:
+            dx_cos[a:b] = 0 if got[0] is None else got[0]
+            dx_sin[a:b] = 0 if got[1] is None else got[1]
+        for i, g in zip(want, got[2 if need_x else 0 :], strict=True):
+            if g is not None:
+                grads_p[i] = g if grads_p[i] is None else grads_p[i] + g
+    for i in want:  # E = 0, or a parameter the stack does not use
+        if grads_p[i] is None:
+            grads_p[i] = torch.zeros_like(params[i])
+    return dx_cos, dx_sin, grads_p
+
+
+def mixing_stack(
+    x_cos: torch.Tensor,
+    x_sin: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    weight_out: torch.Tensor,
+    bias_out: torch.Tensor | None,
+    linear=None,
+    cohort_edges: int = COHORT_EDGES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixing stack of :func:`ecekern.reference.mixing_stack` (same arguments and
+    result), its backward in cohorts of at most ``cohort_edges`` rows.
+
+    Args:
+        x_cos, x_sin: ``(..., F, n_ang)``, any strides; the leading dimensions are
+            the rows (edges).
+        weights, biases: the K gated layers' ``(n_ang, F, F)`` and ``(F,)`` or None.
+        weight_out, bias_out: the output layer's ``(n_ang, F', F)``, ``(F',)`` or None.
+        linear: the EquivariantLinear implementation, ``linear(x_cos, x_sin, weight,
+            bias)`` (default: the reference's einsum).
+        cohort_edges: rows per cohort, a positive int.
+
+    Returns:
+        ``y_cos, y_sin``, each ``(..., F', n_ang)``.
+    """
+    if isinstance(cohort_edges, bool) or not isinstance(
+        cohort_edges, _numbers.Integral
+    ):
+        raise TypeError(f"cohort_edges must be an int, got {cohort_edges!r}")
+    if cohort_edges < 1:
+        raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
+    if len(weights) != len(biases):
+        raise ValueError(
+            f"{len(weights)} weights but {len(biases)} biases: one bias (or None) "
+            "per gated layer"
+        )
+    for name, t in (("x_cos", x_cos), ("x_sin", x_sin)):
+        if not isinstance(t, torch.Tensor) or t.ndim < 2:
+            raise ValueError(f"{name} must be a (..., F, n_ang) tensor")
+    if x_cos.shape != x_sin.shape:
+        raise ValueError(
+            f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
+        )
+    linear = linear or reference.equivariant_linear
+    if torch.compiler.is_compiling():
+        return reference.mixing_stack(
+            x_cos, x_sin, weights, biases, weight_out, bias_out, linear
+        )
+    lead, (F, n_ang) = x_cos.shape[:-2], x_cos.shape[-2:]
+    rows = (-1, F, n_ang)
+    xc, xs = x_cos.reshape(rows), x_sin.reshape(rows)
+    params = (*weights, *biases, weight_out, bias_out)
+    y_cos, y_sin = _CohortStack.apply(
+        xc, xs, linear, int(cohort_edges), len(weights), *params
+    )
+    return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
+        *lead, *y_sin.shape[1:]
+    )

@@ -1,0 +1,214 @@
+"""Chapter 6, step 1: the mixing stack's backward in cohorts (ecekern.cohorts).
+
+Three ways where the arithmetic differs (float32 against float64); to about 1e-12 in
+float64, where the arithmetic is the reference's in another order of rows."""
+
+import pytest
+import torch
+
+import ecekern
+from ecekern import cohorts, options, reference
+from ecekern.model import force_step, prepare_inputs
+from ecekern.testing import assert_close_three_way, rel_err
+
+
+def _stack_args(E, F=8, Fo=6, n_ang=2, K=2, dtype=torch.float64, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=dtype)).requires_grad_()
+
+    x = [r(E, F, n_ang) for _ in range(2)]
+    weights = [r(n_ang, F, F, scale=F**-0.5) for _ in range(K)]
+    biases = [r(F) if bias else None for _ in range(K)]
+    w_out = r(n_ang, Fo, F, scale=F**-0.5)
+    b_out = r(Fo) if bias else None
+    return x, weights, biases, w_out, b_out
+
+
+def _grads(fn, x, weights, biases, w_out, b_out, seed=1):
+    y = fn(*x, weights, biases, w_out, b_out)
+    g = torch.Generator().manual_seed(seed)
+    gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+    wrt = [*x, *weights, *[b for b in biases if b is not None], w_out]
+    wrt += [b_out] if b_out is not None else []
+    return y, torch.autograd.grad(y, wrt, gy)
+
+
+@pytest.mark.parametrize(
+    "E, cohort",
+    [
+        (0, 4),
+        (1, 4),
+        (37, 4),
+        (37, 37),
+        (37, 8192),
+        (8191, 8192),
+        (8192, 8192),
+        (8193, 8192),
+    ],  # fmt: skip
+)
+def test_fp64_matches_reference_forward_and_backward(E, cohort):
+    args = _stack_args(E)
+    y_ref, g_ref = _grads(reference.mixing_stack, *args)
+    y, g = _grads(
+        lambda *a: cohorts.mixing_stack(*a, cohort_edges=cohort), *args
+    )  # fmt: skip
+    for a, b in zip((*y, *g), (*y_ref, *g_ref), strict=True):
+        assert a.shape == b.shape
+        if b.numel():
+            assert rel_err(a, b) < 1e-12
+
+
+def test_float32_three_way_against_float64():
+    args64 = _stack_args(45, K=3)
+    y64, g64 = _grads(reference.mixing_stack, *args64)
+    args32 = _stack_args(45, K=3, dtype=torch.float32)
+    y32_ref, g32_ref = _grads(reference.mixing_stack, *args32)
+    y32, g32 = _grads(lambda *a: cohorts.mixing_stack(*a, cohort_edges=8), *args32)
+    for out, ref32, ref64 in zip((*y32, *g32), (*y32_ref, *g32_ref), (*y64, *g64),
+                                 strict=True):  # fmt: skip
+        assert_close_three_way(out, ref32, ref64, "cohort stack")
+
+
+def test_no_biases_leading_dims_and_strided_inputs():
+    x, weights, biases, w_out, b_out = _stack_args(12, bias=False)
+    # (3, 4) leading rows, from a transposed buffer: neither input is contiguous
+    xs = [t.detach().reshape(3, 4, 8, 2).transpose(0, 1).requires_grad_() for t in x]
+    assert not xs[0].is_contiguous()
+    y_ref = reference.mixing_stack(*xs, weights, biases, w_out, b_out)
+    y = cohorts.mixing_stack(*xs, weights, biases, w_out, b_out, cohort_edges=5)
+    assert y[0].shape == (4, 3, 6, 2)
+    for a, b in zip(y, y_ref, strict=True):
+        assert rel_err(a, b) < 1e-12
+    gy = [torch.ones_like(t) for t in y]
+    d_ref = torch.autograd.grad(y_ref, xs, gy)
+    d = torch.autograd.grad(y, xs, gy)
+    for a, b in zip(d, d_ref, strict=True):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_only_what_is_asked_for():
+    """A force step asks for the inputs only; training asks for the weights too."""
+    x, weights, biases, w_out, b_out = _stack_args(20)
+    y = cohorts.mixing_stack(*x, weights, biases, w_out, b_out, cohort_edges=6)
+    (dw,) = torch.autograd.grad(y[0].sum() + y[1].sum(), [weights[1]])
+    y_ref = reference.mixing_stack(*x, weights, biases, w_out, b_out)
+    (dw_ref,) = torch.autograd.grad(y_ref[0].sum() + y_ref[1].sum(), [weights[1]])
+    assert rel_err(dw, dw_ref) < 1e-12
+    y = cohorts.mixing_stack(*x, weights, biases, w_out, b_out, cohort_edges=6)
+    (y[0].sum() + y[1].sum()).backward()  # .grad accumulates as usual
+    assert weights[0].grad is not None and x[0].grad is not None
+
+
+def test_saves_only_the_input_and_the_parameters():
+    """What autograd keeps for the backward: the stack's input, not its activations
+    (the reference keeps every layer's)."""
+    args = _stack_args(64, K=2)
+    (x, weights, biases, w_out, b_out) = args
+
+    def saved_values(fn):
+        seen = {}
+
+        def pack(t):
+            seen[t.data_ptr(), t.dtype, tuple(t.shape)] = t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*x, weights, biases, w_out, b_out)
+        return sum(seen.values())
+
+    params = sum(p.numel() for p in (*weights, *biases, w_out, b_out))
+    inputs = sum(t.numel() for t in x)
+    assert saved_values(cohorts.mixing_stack) == inputs + params
+    assert saved_values(reference.mixing_stack) > 3 * inputs
+
+
+def test_double_backward_gradgradcheck():
+    x, weights, biases, w_out, b_out = _stack_args(7, F=4, Fo=3, K=1)
+
+    def f(xc, xs, w):
+        return cohorts.mixing_stack(xc, xs, [w], biases, w_out, b_out, cohort_edges=3)
+
+    assert torch.autograd.gradgradcheck(f, (*x, weights[0]))
+
+
+def test_bad_inputs():
+    x, weights, biases, w_out, b_out = _stack_args(4)
+    for bad, err in ((0, ValueError), (-2, ValueError), (1.5, TypeError),
+                     (True, TypeError), ("8", TypeError)):  # fmt: skip
+        with pytest.raises(err, match="cohort_edges"):
+            cohorts.mixing_stack(*x, weights, biases, w_out, b_out, cohort_edges=bad)
+    with pytest.raises(ValueError, match="biases"):
+        cohorts.mixing_stack(*x, weights, biases[:1], w_out, b_out)
+    with pytest.raises(ValueError, match="differ"):
+        cohorts.mixing_stack(x[0], x[1][:2], weights, biases, w_out, b_out)
+    with pytest.raises(ValueError):  # a weight of the wrong width: the linear says so
+        cohorts.mixing_stack(*x, [weights[0][:, :3]] * 2, biases, w_out, b_out)
+
+
+@pytest.mark.parametrize("sizes", [(37, 8193, 16385)])
+def test_compile_with_sizes_that_vary(sizes):
+    """Traced at 37 edges, called at 8193 and 16385: the compiled function is not
+    fixed to its first example (the seed's review found one that was)."""
+    _, weights, biases, w_out, b_out = _stack_args(1)
+    torch._dynamo.reset()
+
+    def f(xc, xs):
+        y = cohorts.mixing_stack(xc, xs, weights, biases, w_out, b_out)
+        return (y[0] ** 2).sum() + y[1].sum()
+
+    compiled = torch.compile(f, backend="aot_eager")
+    for E in sizes:
+        x = [t.detach().requires_grad_() for t in _stack_args(E, seed=E)[0]]
+        e, g = compiled(*x), None
+        g = torch.autograd.grad(e, x)
+        e_ref = f(*x)
+        g_ref = torch.autograd.grad(e_ref, x)
+        assert rel_err(e, e_ref) < 1e-12
+        for a, b in zip(g, g_ref, strict=True):
+            assert rel_err(a, b) < 1e-12
+
+
+def test_model_with_cohorts_equals_without():
+    cfg = ecekern.ECEConfig(
+        channels=4, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
+    )
+    model = ecekern.ECEModel(cfg).double()
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
+    )
+    e_ref, f_ref = force_step(model, *inputs)
+    with options.use(cohorts=True):
+        e, f = force_step(model, *inputs)
+    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+
+
+def test_option_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ECEKERN_COHORTS", "1")
+    assert options._from_environment(options.Options()).cohorts is True
+    monkeypatch.setenv("ECEKERN_COHORTS", "maybe")
+    with pytest.raises(ValueError, match="ECEKERN_COHORTS"):
+        options._from_environment(options.Options())
+    with pytest.raises(TypeError, match="cohorts"):
+        options.Options(cohorts="yes")
+    with options.use(cohorts=True, reference=True):
+        assert not options.cohorts_on()  # the reference wins
+
+
+@pytest.mark.gpu
+def test_gpu_model_with_cohorts_three_way():
+    """On CUDA with the library's fast linears in the recompute: float32 within the
+    three-way rule of float64, forces included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    atoms = ecekern.systems.diamond(2, rattle=0.2, seed=4)
+    model = ecekern.ECEModel().to("cuda", torch.float64)
+    truth = force_step(model, *prepare_inputs(atoms, 5.0, torch.float64, "cuda"))
+    model = model.float()
+    inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
+    plain = force_step(model, *inputs)
+    with options.use(cohorts=True):
+        got = force_step(model, *inputs)
+    for a, b, t in zip(got, plain, truth, strict=True):
+        assert_close_three_way(a, b, t, "cohorts on CUDA")
