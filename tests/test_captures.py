@@ -140,7 +140,7 @@ def test_registry_is_keyed_by_the_chapter_slugs():
     from ecekern.captures import chapters
 
     slugs = {"methodology", "01_reference", "02_linear", "03_edge_frame",
-             "04_graph_step", "05_zonal"}  # fmt: skip
+             "04_graph_step", "05_zonal", "06_cohorts"}  # fmt: skip
     assert set(chapters.REGISTRY) == slugs
     book = captures.capture_root().parent
     for slug in chapters.REGISTRY:  # a chapter in the book has its captures
@@ -549,3 +549,14 @@ def test_graph_step_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     assert [r["kind"] for r in audit] == ["none"]
     assert info["audit"] == {"defaults: syncs, h2d": [0, 0],
                              "reference: syncs, h2d": [0, 0]}  # fmt: skip
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
+def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
+    """Chapter 6's stack part at a tiny size; the step parts need a GPU."""
+    from ecekern.captures import chapters
+
+    info = chapters.REGISTRY["06_cohorts"](tmp_path, quick=True, ncu=False)
+    assert info["steps"] == "skipped: no GPU" and info["memory"] == "skipped: no GPU"
+    rows = _rows(tmp_path / "stack.csv")
+    assert [r["stack"] for r in rows] == ["plain"] + ["cohorts"] * 3

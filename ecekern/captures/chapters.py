@@ -9,7 +9,7 @@ Triton's interpreter, as a smoke test.
 
 from __future__ import annotations
 
-from . import edge_frame, graph_step, linear, methodology, reference, zonal
+from . import cohorts, edge_frame, graph_step, linear, methodology, reference, zonal
 
 REGISTRY = {
     "methodology": methodology.capture,
@@ -18,4 +18,5 @@ REGISTRY = {
     "03_edge_frame": edge_frame.capture,
     "04_graph_step": graph_step.capture,
     "05_zonal": zonal.capture,
+    "06_cohorts": cohorts.capture,
 }
