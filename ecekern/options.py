@@ -55,8 +55,8 @@ class Options:
             ``"reference"``, ``"table"`` (the kernels reading D through the (l, m)
             tables) or ``"packed"`` (reading the tiles packed once per step).
         cohorts: the mixing stack's backward a cohort of edges at a time (chapter 6,
-            :mod:`ecekern.cohorts`): keeps only the stack's input for the backward.
-            Off by default until it is measured on a GPU.
+            :func:`ecekern.cohorts.mixing_stack`): keeps only the stack's input for
+            the backward. Off by default until it is measured on a GPU.
     """
 
     reference: bool = False
