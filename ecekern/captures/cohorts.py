@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from .common import device, free, parse_parts, run_parts
+from .common import book_config, device, free, parse_parts, run_parts
 
 __all__ = ["capture"]
 
@@ -52,22 +52,13 @@ def capture(
     return info
 
 
-def _config(dev: str):
-    import ecekern
-
-    if dev == "cuda":
-        return ecekern.ECEConfig()
-    small = dict(radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=2.0)
-    return ecekern.ECEConfig(channels=4, **small)
-
-
 def _stack(out: Path, reps: list[int], dev: str) -> str:
     import ecekern
     from ecekern import cohorts, reference
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
-    cfg = _config(dev)
+    cfg = book_config(dev, n_gated=2)
     model = ecekern.ECEModel(cfg).to(dev)
     layer = model.interactions[0]
     weights = [lin.weight for lin in layer.gated]
@@ -123,7 +114,7 @@ def _steps(out: Path, reps: list[int]) -> str:
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = _config("cuda")
+    cfg = book_config("cuda", n_gated=2)
     rows = []
     for rep in reps:
         inputs = prepare_inputs(
@@ -161,7 +152,7 @@ def _memory(out: Path, boxes: list[int]) -> dict:
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = _config("cuda")
+    cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
     for on in (False, True):

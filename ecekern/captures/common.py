@@ -144,6 +144,17 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def book_config(dev: str, n_gated: int = 1):
+    """The book's model (``ECEConfig()``) on a GPU; in Triton's interpreter a small
+    one on the nearest neighbours only (the captures' CPU smoke tests)."""
+    import ecekern
+
+    if dev == "cuda":
+        return ecekern.ECEConfig()
+    small = dict(radial_hidden=8, readout_hidden=8, n_gated=n_gated, cutoff=2.0)
+    return ecekern.ECEConfig(channels=4, **small)
+
+
 def free() -> None:
     """Drop what the last case left behind (a GPU's cached blocks too)."""
     gc.collect()

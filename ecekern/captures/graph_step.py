@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from .common import device, free, parse_parts, run_parts
+from .common import book_config, device, free, parse_parts, run_parts
 
 __all__ = ["capture", "unpack_indexed", "unpack_masked"]
 
@@ -64,16 +64,6 @@ def capture(
     )
     run_parts(parts, todo, info, dev)
     return info
-
-
-def _config(dev: str):
-    import ecekern
-
-    if dev == "cuda":
-        return ecekern.ECEConfig()
-    # the interpreter: a small model on the nearest neighbours only
-    small = dict(radial_hidden=8, readout_hidden=8, n_gated=1, cutoff=2.0)
-    return ecekern.ECEConfig(channels=4, **small)
 
 
 # --------------------------------------------------------------------------------------
@@ -141,7 +131,7 @@ def _unpack(out: Path, reps: list[int], dev: str) -> dict:
     from ecekern.host_sync import HostSyncAudit
     from ecekern.model import prepare_inputs
 
-    cfg = _config(dev)
+    cfg = book_config(dev)
     M, S = cfg.M, cfg.S
     rows, info = [], {}
     for rep in reps:
@@ -221,7 +211,7 @@ def _audit(out: Path, rep: int, dev: str) -> dict:
     from ecekern.host_sync import HostSyncAudit
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = _config(dev)
+    cfg = book_config(dev)
     inputs = prepare_inputs(
         ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
     )
@@ -352,7 +342,7 @@ def _steps(out: Path, reps: list[int]) -> dict:
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = _config("cuda")
+    cfg = book_config("cuda")
     rows: list[dict] = []
     for rep in reps:
         inputs = prepare_inputs(
