@@ -53,36 +53,96 @@ def _stack(x_cos, x_sin, params, K, linear):
     )  # fmt: skip
 
 
-def _forward(x_cos, x_sin, params, K, linear, cohort):
-    """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output."""
+def _stack_keep(x_cos, x_sin, params, K, linear):
+    """The stack on one cohort, also returning the gated layers' pre-activations."""
+    u_cos, u_sin, zs = x_cos, x_sin, []
+    for k in range(K):
+        z_cos, z_sin = linear(u_cos, u_sin, params[k], params[K + k])
+        g_cos, g_sin = reference.gate(z_cos, z_sin)
+        u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
+        zs += [z_cos, z_sin]
+    return (*linear(u_cos, u_sin, params[2 * K], params[2 * K + 1]), *zs)
+
+
+def _forward(x_cos, x_sin, params, K, linear, cohort, keep):
+    """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
+    ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K."""
     E = x_cos.shape[0]
+    run = _stack_keep if keep else _stack
     if E <= cohort:
-        return _stack(x_cos, x_sin, params, K, linear)
+        return tuple(run(x_cos, x_sin, params, K, linear))
     out = None
     for a in range(0, E, cohort):
         b = min(a + cohort, E)
-        y_cos, y_sin = _stack(x_cos[a:b], x_sin[a:b], params, K, linear)
+        got = run(x_cos[a:b], x_sin[a:b], params, K, linear)
         if out is None:
-            out = tuple(y.new_empty((E, *y.shape[1:])) for y in (y_cos, y_sin))
-        out[0][a:b], out[1][a:b] = y_cos, y_sin
+            out = tuple(t.new_empty((E, *t.shape[1:])) for t in got)
+        for o, t in zip(out, got, strict=True):
+            o[a:b] = t
     return out
 
 
+def _gate_backward(z_cos, z_sin, du_cos, du_sin):
+    """``dz`` of :func:`ecekern.reference.gate` at ``z`` for the output gradient
+    ``du``: with ``p = z_cos[..., 0]`` and ``s = sigmoid(p)``, ``dz_m = du_m s``
+    (m >= 1, cos and sin), ``dz_sin[..., 0] = du_sin[..., 0]`` and
+    ``dz_cos[..., 0] = du_cos[..., 0] s + (du_cos[..., 0] p + sum_(m>=1) du_m z_m)
+    s (1 - s)``."""
+    p = z_cos[..., :1]
+    s = torch.sigmoid(p)
+    dz_cos, dz_sin = du_cos * s, du_sin * s
+    dz_sin[..., :1] = du_sin[..., :1]
+    t = (du_cos[..., 1:] * z_cos[..., 1:] + du_sin[..., 1:] * z_sin[..., 1:]).sum(
+        -1, keepdim=True
+    )
+    dz_cos[..., :1] += (du_cos[..., :1] * p + t) * (s * (1 - s))
+    return dz_cos, dz_sin
+
+
+def _input_backward(zs, g_cos, g_sin, params, K, linear, cohort):
+    """``dx`` from the kept pre-activations, a cohort at a time: ``du_K =
+    Linear_out^T(dy)``; ``dz_k = gate'(z_k) du_k``; ``du_(k-1) = du_k +
+    Linear_k^T(dz_k)``; ``dx = du_0``. No linear of the forward runs again."""
+    E = g_cos.shape[0]
+    F = params[0].shape[-1] if K else params[2 * K].shape[-1]
+    dx_cos = g_cos.new_empty((E, F, g_cos.shape[-1]))
+    dx_sin = torch.empty_like(dx_cos)
+
+    def lin_t(a_cos, a_sin, w):  # x W^T: the same map with W's rows and columns swapped
+        return linear(a_cos, a_sin, w.transpose(1, 2), None)
+
+    for a in range(0, E, cohort):
+        b = min(a + cohort, E)
+        du_cos, du_sin = lin_t(g_cos[a:b], g_sin[a:b], params[2 * K])
+        for k in reversed(range(K)):
+            dz_cos, dz_sin = _gate_backward(
+                zs[2 * k][a:b], zs[2 * k + 1][a:b], du_cos, du_sin
+            )
+            d_cos, d_sin = lin_t(dz_cos, dz_sin, params[k])
+            du_cos, du_sin = du_cos + d_cos, du_sin + d_sin
+        dx_cos[a:b], dx_sin[a:b] = du_cos, du_sin
+    return dx_cos, dx_sin
+
+
 class _CohortStack(torch.autograd.Function):
-    """``(x_cos, x_sin, linear, cohort, K, *params) -> (y_cos, y_sin)``, rows ``(E,
-    F, n_ang)``; params = K weights, K biases, the output weight and bias."""
+    """``(x_cos, x_sin, linear, cohort, recompute, K, *params) -> (y_cos, y_sin)``,
+    rows ``(E, F, n_ang)``; params = K weights, K biases, the output weight and bias.
+    Saved: x, the params and, unless ``recompute``, the pre-activations z_k."""
 
     @staticmethod
-    def forward(ctx, x_cos, x_sin, linear, cohort, K, *params):
-        ctx.save_for_backward(x_cos, x_sin, *params)
-        ctx.linear, ctx.cohort, ctx.K = linear, cohort, K
+    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, K, *params):
+        keep = not recompute
+        y_cos, y_sin, *zs = _forward(x_cos, x_sin, params, K, linear, cohort, keep)
+        ctx.save_for_backward(x_cos, x_sin, *params, *zs)
+        ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
-        return _forward(x_cos, x_sin, params, K, linear, cohort)
+        return y_cos, y_sin
 
     @staticmethod
     def backward(ctx, g_cos, g_sin):
-        x_cos, x_sin, *params = ctx.saved_tensors
-        K, linear, n_in = ctx.K, ctx.linear, 5
+        x_cos, x_sin, *rest = ctx.saved_tensors
+        params, zs = rest[: ctx.n_params], rest[ctx.n_params :]
+        K, linear, n_in = ctx.K, ctx.linear, 6
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         double = torch.is_grad_enabled()
         want = [
@@ -94,7 +154,12 @@ class _CohortStack(torch.autograd.Function):
         ]
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
-        if double:  # a second derivative: the whole stack, differentiably
+        if not double and not want and zs:  # a force step: from the kept z_k
+            if need_x:
+                dx_cos, dx_sin = _input_backward(
+                    zs, g_cos, g_sin, params, K, linear, ctx.cohort
+                )
+        elif double:  # a second derivative: the whole stack, differentiably
             xs = [x_cos, x_sin] if need_x else []
             with torch.enable_grad():
                 y = _stack(x_cos, x_sin, params, K, linear)
@@ -115,7 +180,7 @@ class _CohortStack(torch.autograd.Function):
             dx_cos = None
         if not ctx.needs_input_grad[1]:
             dx_sin = None
-        return dx_cos, dx_sin, None, None, None, *grads_p
+        return dx_cos, dx_sin, None, None, None, None, *grads_p
 
 
 def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need_x,
@@ -157,6 +222,7 @@ def mixing_stack(
     bias_out: torch.Tensor | None,
     linear=None,
     cohort_edges: int = COHORT_EDGES,
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixing stack of :func:`ecekern.reference.mixing_stack` (same arguments and
     result), its backward in cohorts of at most ``cohort_edges`` rows.
@@ -169,6 +235,9 @@ def mixing_stack(
         linear: the EquivariantLinear implementation, ``linear(x_cos, x_sin, weight,
             bias)`` (default: the reference's einsum).
         cohort_edges: rows per cohort, a positive int.
+        recompute: keep only x for the backward and recompute each cohort's forward
+            there (False: keep the pre-activations z_k too, so that a force step's
+            backward runs no linear of the forward again).
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
@@ -201,7 +270,7 @@ def mixing_stack(
     xc, xs = x_cos.reshape(rows), x_sin.reshape(rows)
     params = (*weights, *biases, weight_out, bias_out)
     y_cos, y_sin = _CohortStack.apply(
-        xc, xs, linear, int(cohort_edges), len(weights), *params
+        xc, xs, linear, int(cohort_edges), bool(recompute), len(weights), *params
     )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]

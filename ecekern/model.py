@@ -170,7 +170,8 @@ class _Interaction(nn.Module):
 
 def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
-    the layer's own EquivariantLinear path."""
+    the layer's own EquivariantLinear path and the ``cohort_edges`` and
+    ``cohort_recompute`` options."""
     path = layer.out.path
 
     def linear(xc, xs, w, b):
@@ -179,6 +180,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
+        options.current().cohort_edges, options.current().cohort_recompute,
     )  # fmt: skip
 
 

@@ -56,7 +56,12 @@ class Options:
             tables) or ``"packed"`` (reading the tiles packed once per step).
         cohorts: the mixing stack's backward a cohort of edges at a time (chapter 6,
             :func:`ecekern.cohorts.mixing_stack`): keeps only the stack's input for
-            the backward. Off by default until it is measured on a GPU.
+            the backward. Off by default: on the H200 it trades step time for memory
+            (chapter 6's captures); turn it on for systems that do not fit.
+        cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
+        cohort_recompute: with ``cohorts``, keep only the stack's input and recompute
+            its forward in the backward (the least memory); False keeps the
+            pre-activations too, and a force step's backward runs no linear twice.
     """
 
     reference: bool = False
@@ -64,12 +69,17 @@ class Options:
     zonal: str = "auto"
     edge_frame: str = "auto"
     cohorts: bool = False
+    cohort_edges: int = 8192
+    cohort_recompute: bool = False
 
     def __post_init__(self):
-        for name in ("reference", "cohorts"):
+        for name in ("reference", "cohorts", "cohort_recompute"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"option {name} must be a bool, got {value!r}")
+        c = self.cohort_edges
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"cohort_edges must be a positive int, got {c!r}")
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
                 f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"
@@ -91,15 +101,27 @@ def _parse_bool(name: str, text: str) -> bool:
     raise ValueError(f"environment variable {name}={text!r} is not a boolean")
 
 
+def _parse_int(name: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={text!r} is not an integer"
+        ) from None
+
+
 def _from_environment(base: Options) -> Options:
     changes = {}
     for f in fields(Options):
         name = "ECEKERN_" + f.name.upper()
         if name in os.environ:
             raw = os.environ[name]
-            changes[f.name] = (
-                _parse_bool(name, raw) if f.type in (bool, "bool") else raw.strip()
-            )
+            if f.type in (bool, "bool"):
+                changes[f.name] = _parse_bool(name, raw)
+            elif f.type in (int, "int"):
+                changes[f.name] = _parse_int(name, raw)
+            else:
+                changes[f.name] = raw.strip()
     try:
         return dataclasses.replace(base, **changes)
     except (TypeError, ValueError) as exc:

@@ -332,7 +332,9 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert rows[2]["zonal"] == "reference" and rows[2]["edge_frame"] == "packed"
     assert rows[3]["zonal"] == "reference" and rows[3]["mode"] == "replay"
     assert rows[4]["zonal"] == "fused" and rows[4]["edge_frame"] == "packed"
-    assert rows[4]["mode"] == "replay" and rows[5]["mode"] == "eager"
+    assert rows[4]["mode"] == "replay" and rows[5]["mode"] == "replay"
+    assert rows[5]["cohorts"] == "True" and rows[4]["cohorts"] == "False"
+    assert rows[6]["system"] == "library defaults" and rows[6]["mode"] == "eager"
     assert info["library_defaults"] == repr(ecekern.options.current())
     for label in progress.COMPILED:
         assert info[f"progress: {label}, 8 atoms, fp32"].startswith("skipped")
@@ -554,9 +556,10 @@ def test_graph_step_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
 @pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     """Chapter 6's stack part at a tiny size; the step parts need a GPU."""
-    from ecekern.captures import chapters
+    from ecekern.captures import chapters, cohorts
 
     info = chapters.REGISTRY["06_cohorts"](tmp_path, quick=True, ncu=False)
     assert info["steps"] == "skipped: no GPU" and info["memory"] == "skipped: no GPU"
+    assert info["precision"] == "skipped: no GPU"
     rows = _rows(tmp_path / "stack.csv")
-    assert [r["stack"] for r in rows] == ["plain"] + ["cohorts"] * 3
+    assert [r["stack"] for r in rows] == [c[0] for c in cohorts.COHORTS]

@@ -3,6 +3,8 @@
 Three ways where the arithmetic differs (float32 against float64); to about 1e-12 in
 float64, where the arithmetic is the reference's in another order of rows."""
 
+import functools
+
 import pytest
 import torch
 
@@ -60,6 +62,32 @@ def test_fp64_matches_reference_forward_and_backward(E, cohort):
             assert rel_err(a, b) < 1e-12
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
+@pytest.mark.parametrize(
+    "E, cohort", [(0, 4), (1, 4), (37, 4), (37, 8192), (8191, 8192), (8193, 8192)]
+)
+def test_fp64_force_backward_matches_reference(E, cohort, recompute):
+    """A force step's backward (the inputs only; the weights require grad but are not
+    asked for): from the kept pre-activations, or by recomputing each cohort."""
+    args = _stack_args(E, K=3)
+    x = args[0]
+    gy = None
+    outs = []
+    for fn in (
+        reference.mixing_stack,
+        lambda *a: cohorts.mixing_stack(*a, cohort_edges=cohort, recompute=recompute),
+    ):
+        y = fn(*args[0], *args[1:])
+        if gy is None:
+            g = torch.Generator().manual_seed(2)
+            gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+        outs.append((*y, *torch.autograd.grad(y, x, gy)))
+    for a, b in zip(*reversed(outs), strict=True):
+        assert a.shape == b.shape
+        if b.numel():
+            assert rel_err(a, b) < 1e-12
+
+
 def test_float32_three_way_against_float64():
     args64 = _stack_args(45, K=3)
     y64, g64 = _grads(reference.mixing_stack, *args64)
@@ -69,6 +97,20 @@ def test_float32_three_way_against_float64():
     for out, ref32, ref64 in zip((*y32, *g32), (*y32_ref, *g32_ref), (*y64, *g64),
                                  strict=True):  # fmt: skip
         assert_close_three_way(out, ref32, ref64, "cohort stack")
+    gy = [torch.ones_like(t) for t in y32]  # the force step's path (kept z_k)
+    d32 = torch.autograd.grad(
+        cohorts.mixing_stack(*args32[0], *args32[1:], cohort_edges=8), args32[0], gy
+    )
+    d32_ref = torch.autograd.grad(
+        reference.mixing_stack(*args32[0], *args32[1:]), args32[0], gy
+    )
+    d64 = torch.autograd.grad(
+        reference.mixing_stack(*args64[0], *args64[1:]),
+        args64[0],
+        [t.double() for t in gy],
+    )
+    for out, ref32, ref64 in zip(d32, d32_ref, d64, strict=True):
+        assert_close_three_way(out, ref32, ref64, "cohort stack, kept z")
 
 
 def test_no_biases_leading_dims_and_strided_inputs():
@@ -101,9 +143,10 @@ def test_only_what_is_asked_for():
     assert weights[0].grad is not None and x[0].grad is not None
 
 
-def test_saves_only_the_input_and_the_parameters():
-    """What autograd keeps for the backward: the stack's input, not its activations
-    (the reference keeps every layer's)."""
+def test_saves_the_input_the_parameters_and_the_preactivations():
+    """What autograd keeps for the backward: the stack's input and (unless
+    ``recompute``) the K pre-activations, not every activation (the reference keeps
+    every layer's)."""
     args = _stack_args(64, K=2)
     (x, weights, biases, w_out, b_out) = args
 
@@ -120,7 +163,9 @@ def test_saves_only_the_input_and_the_parameters():
 
     params = sum(p.numel() for p in (*weights, *biases, w_out, b_out))
     inputs = sum(t.numel() for t in x)
-    assert saved_values(cohorts.mixing_stack) == inputs + params
+    recomputing = functools.partial(cohorts.mixing_stack, recompute=True)
+    assert saved_values(recomputing) == inputs + params
+    assert saved_values(cohorts.mixing_stack) == 3 * inputs + params  # K = 2
     assert saved_values(reference.mixing_stack) > 3 * inputs
 
 
@@ -179,9 +224,10 @@ def test_model_with_cohorts_equals_without():
         ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
     )
     e_ref, f_ref = force_step(model, *inputs)
-    with options.use(cohorts=True):
-        e, f = force_step(model, *inputs)
-    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+    for recompute in (False, True):
+        with options.use(cohorts=True, cohort_edges=50, cohort_recompute=recompute):
+            e, f = force_step(model, *inputs)
+        assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
 
 
 def test_option_from_the_environment(monkeypatch):
@@ -208,7 +254,36 @@ def test_gpu_model_with_cohorts_three_way():
     model = model.float()
     inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
     plain = force_step(model, *inputs)
-    with options.use(cohorts=True):
-        got = force_step(model, *inputs)
-    for a, b, t in zip(got, plain, truth, strict=True):
-        assert_close_three_way(a, b, t, "cohorts on CUDA")
+    for recompute in (False, True):
+        with options.use(cohorts=True, cohort_edges=1000, cohort_recompute=recompute):
+            got = force_step(model, *inputs)
+        for a, b, t in zip(got, plain, truth, strict=True):
+            assert_close_three_way(a, b, t, f"cohorts on CUDA, recompute={recompute}")
+
+
+def test_cohort_edges_option(monkeypatch):
+    """The option's default is the function's; the environment sets it as an int;
+    a bad value is an error naming the variable; the model passes it through."""
+    assert options.Options().cohort_edges == cohorts.COHORT_EDGES
+    monkeypatch.setenv("ECEKERN_COHORT_EDGES", "4096")
+    assert options._from_environment(options.Options()).cohort_edges == 4096
+    for bad in ("many", "0", "-3"):
+        monkeypatch.setenv("ECEKERN_COHORT_EDGES", bad)
+        with pytest.raises(ValueError, match="ECEKERN_COHORT_EDGES"):
+            options._from_environment(options.Options())
+    with pytest.raises(ValueError, match="cohort_edges"):
+        options.Options(cohort_edges=True)
+    seen = []
+    real = cohorts.mixing_stack
+
+    def spy(*args):
+        seen.append(args[-2])
+        return real(*args)
+
+    monkeypatch.setattr(cohorts, "mixing_stack", spy)
+    cfg = ecekern.ECEConfig(channels=2, n_gated=1, radial_hidden=4, readout_hidden=4)
+    model = ecekern.ECEModel(cfg).double()
+    atoms = ecekern.systems.diamond(1, rattle=0.05, seed=1)
+    with options.use(cohorts=True, cohort_edges=7):
+        ecekern.energy_and_forces(model, atoms)
+    assert seen and set(seen) == {7}

@@ -97,6 +97,7 @@ PROGRESS_ROWS = (
     "+ ch3 edge_frame",
     "+ ch4 graph_step",
     "+ ch5 zonal",
+    "+ ch6 cohorts",
     "library defaults",
     "reference + torch.compile",
     "e3nn TP conv (NequIP-style)",

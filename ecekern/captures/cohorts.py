@@ -4,13 +4,20 @@ Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32), strict 
 every earlier chapter's fast path on (the library's defaults):
 
 * ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
-  backward) at the 512- and 4096-atom boxes' edge counts, plain and in cohorts of
-  several sizes: time (ms) and the peak memory above the inputs (MiB);
-* ``steps`` -> steps.csv: the force step at 512 and 4096 atoms with the ``cohorts``
-  option off and on: time and peak memory (the step-level target: at most 5 % slower);
-* ``memory`` -> memory.csv: the force step's peak memory against the atom count, off
-  and on, up to the boxes given (``memory=4,6,8``: diamond repeats), and the largest
-  box that ran (an out-of-memory is a row, not the end of the run).
+  backward) at the 512- and 4096-atom boxes' edge counts, plain and in cohorts
+  (:data:`COHORTS`): time (ms) and the peak memory above the inputs (MiB);
+* ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
+  (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
+  replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
+  at most 5 % slower);
+* ``memory`` -> memory.csv: the force step's peak memory against the atom count,
+  plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
+  diamond repeats), and the largest box that ran (an out-of-memory is a row, not
+  the end of the run);
+* ``precision`` -> precision.csv, nve.csv: fp32 and TF32 against fp64 (same weights)
+  on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
+  force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 10 K) in
+  fp64, fp32 and TF32: the energy drift per atom.
 """
 
 from __future__ import annotations
@@ -24,16 +31,22 @@ from .common import book_config, device, free, parse_parts, run_parts
 
 __all__ = ["capture"]
 
-PARTS = ("stack", "steps", "memory")
-#: Cohort sizes the ``stack`` part compares (None: the plain stack).
-COHORTS = (None, 2048, 8192, 32768)
+PARTS = ("stack", "steps", "memory", "precision")
+#: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
+COHORTS = (
+    ("plain", None, None),
+    ("keep z", 8192, False),
+    ("keep z", 131072, False),
+    ("recompute", 8192, True),
+    ("recompute", 131072, True),
+)
 
 
 def capture(
     out: Path,
     quick: bool = False,
     ncu: bool = True,
-    parts: str = "stack,steps,memory",
+    parts: str = "stack,steps,memory,precision",
     boxes: str | None = None,
 ) -> dict:
     """Chapter 6 (module docstring). On a CPU, ``stack`` runs at a tiny size as a
@@ -42,13 +55,14 @@ def capture(
     dev = device()
     info: dict = {"parts": sorted(todo)}
     reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    boxes_ = [int(b) for b in (todo.get("memory") or "4,8,12,16").split(",")]
+    boxes_ = [int(b) for b in (boxes or "4,8,12,16").split(",")]
     parts_ = (
         ("stack", lambda: _stack(out, reps, dev)),
         ("steps", lambda: _steps(out, reps)),
         ("memory", lambda: _memory(out, boxes_[:2] if quick else boxes_)),
+        ("precision", lambda: _precision(out)),
     )
-    run_parts(parts_, todo, info, dev, gpu_only=("steps", "memory"))
+    run_parts(parts_, todo, info, dev, gpu_only=("steps", "memory", "precision"))
     return info
 
 
@@ -75,9 +89,9 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         ]
         gy = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
         gy.append(torch.randn_like(gy[0]))
-        for cohort in COHORTS:
+        for label, cohort, recompute in COHORTS:
 
-            def run(cohort=cohort):
+            def run(cohort=cohort, recompute=recompute):
                 if cohort is None:
                     y = reference.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
@@ -86,14 +100,14 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                 else:
                     y = cohorts.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
-                        equivariant_linear, cohort_edges=cohort,
+                        equivariant_linear, cohort_edges=cohort, recompute=recompute,
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 
             t = bench.time_fn(run) if dev == "cuda" else None
             rows.append(
                 {
-                    "stack": "plain" if cohort is None else "cohorts",
+                    "stack": label,
                     "cohort_edges": cohort or "",
                     "n_edges": E,
                     "fwd_bwd_ms": t.median if t else float("nan"),
@@ -110,9 +124,20 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
     return "done"
 
 
+#: (label, options) cases of the ``steps`` and ``memory`` parts.
+STEP_CASES = (
+    ("plain", {"cohorts": False}),
+    ("keep z", {"cohorts": True, "cohort_edges": 8192}),
+    ("keep z", {"cohorts": True, "cohort_edges": 65536}),
+    ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True}),
+)
+
+
 def _steps(out: Path, reps: list[int]) -> str:
     import ecekern
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import prepare_inputs
+
+    from .common import force_row
 
     cfg = book_config("cuda", n_gated=2)
     rows = []
@@ -121,30 +146,112 @@ def _steps(out: Path, reps: list[int]) -> str:
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
         model = ecekern.ECEModel(cfg).to("cuda")
-        for on in (False, True):
-            with options.use(cohorts=on) as now:
-                fn = lambda: force_step(model, *inputs)
-                fn()
-                t = bench.time_fn(fn, min_reps=10)
-                rows.append(
-                    {
-                        "cohorts": on,
-                        "n_atoms": inputs[0].shape[0],
-                        "n_edges": inputs[2].n_edges,
-                        "step_ms": t.median,
-                        "step_p10_ms": t.p10,
-                        "step_p90_ms": t.p90,
-                        "peak_mem_MiB": bench.peak_memory(fn) / 2**20,
-                        "options_repr": repr(now),
-                        **bench.provenance(torch.float32),
-                    }
-                )
-            print(f"steps cohorts={on} {rows[-1]['n_atoms']}: "
-                  f"{rows[-1]['step_ms']:.1f} ms", flush=True)  # fmt: skip
-            bench.write_csv(rows, out / "steps.csv")
-            free()
+        for replay in (False, True):
+            for label, kw in STEP_CASES:
+                with options.use(**kw) as now:
+                    row = force_row(
+                        label, model, inputs, torch.float32,
+                        forward=False, key="stack", replay=replay,
+                    )  # fmt: skip
+                c = kw.get("cohort_edges", "")
+                row = {"cohort_edges": c, "replay": replay, **row}
+                row = {**row, "options_repr": repr(now)}
+                rows.append(row)
+                print(f"steps {label} c={c} replay={replay} {row['n_atoms']}: "
+                      f"{row['step_ms']:.1f} ms, {row.get('peak_mem_MiB')}",
+                      flush=True)  # fmt: skip
+                bench.write_csv(rows, out / "steps.csv")
+                free()
         model = inputs = None
         free()
+    return "done"
+
+
+#: The precision study's settings: rattles (A), NVE time step (fs) and length (fs).
+RATTLES = (0.05, 0.25)
+NVE_DT_FS, NVE_FS = 1.0, 1000.0
+#: NVE temperature (K): the book's model has random weights and no repulsive core, so
+#: at 300 K atoms fly through each other within a picosecond.
+NVE_K = 10.0
+
+
+def _precision(out: Path, rep: int = 4) -> str:
+    """Forces and energies of fp32 and TF32 against fp64 (the same weights), and
+    NVE energy drift over ``NVE_FS`` with the ASE calculator."""
+    import copy
+
+    import numpy as np
+    from ase import units
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.md.verlet import VelocityVerlet
+
+    import ecekern
+    from ecekern.calculator import ECECalculator
+
+    cfg = book_config("cuda", n_gated=2)
+    torch.manual_seed(0)
+    m64 = ecekern.ECEModel(cfg).double().to("cuda")
+    m32 = copy.deepcopy(m64).float()
+    cases = (("fp64", m64, False), ("fp32", m32, False), ("tf32", m32, True))
+    rows, nve = [], []
+    for rattle in RATTLES:
+        atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
+        n = len(atoms)
+        e_ref, f_ref = (t.detach().cpu().double()
+                        for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
+        f_rms = f_ref.square().mean().sqrt().item()
+        for name, model, tf32 in cases[1:]:
+            bench.set_tf32(tf32)
+            try:
+                e, f = (t.detach().cpu().double()
+                        for t in ecekern.energy_and_forces(model, atoms))  # fmt: skip
+            finally:
+                bench.set_tf32(False)
+            d = (f - f_ref).norm(dim=1)
+            rows.append({
+                "precision": name, "rattle_A": rattle, "n_atoms": n,
+                "force_rms_eV_A": f_rms,
+                "force_max_eV_A": f_ref.norm(dim=1).max().item(),
+                "max_force_err_rel": d.max().item() / f_rms,
+                "rms_force_err_rel": d.square().mean().sqrt().item() / f_rms,
+                "energy_err_per_atom_eV": abs(e - e_ref).item() / n,
+                **bench.provenance(torch.float32),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+            bench.write_csv(rows, out / "precision.csv")
+    for name, model, tf32 in cases:
+        atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
+        thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
+        atoms.calc = ECECalculator(model, device="cuda")
+        bench.set_tf32(tf32)
+        try:
+            e0, t_fs, es = atoms.get_total_energy(), [], []
+            dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
+
+            def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
+                t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
+                es.append(atoms.get_total_energy())
+
+            dyn.attach(log, interval=10)
+            dyn.run(round(NVE_FS / NVE_DT_FS))
+            de = (np.asarray(es) - e0) / len(atoms)
+            slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
+            row = {
+                "drift_meV_per_atom_ps": 1e3 * slope,
+                "max_dev_meV_per_atom": 1e3 * np.abs(de).max(),
+                "final_dev_meV_per_atom": 1e3 * de[-1],
+            }
+        except Exception as exc:  # a run that fails is a row, not the end
+            row = {"error": repr(exc)[:300]}
+        finally:
+            bench.set_tf32(False)
+        nve.append({
+            "precision": name, "n_atoms": len(atoms), "dt_fs": NVE_DT_FS,
+            "length_fs": NVE_FS, "temperature_K": NVE_K, **row,
+            **bench.provenance(next(model.parameters()).dtype),
+        })  # fmt: skip
+        print(nve[-1], flush=True)
+        bench.write_csv(nve, out / "nve.csv")
     return "done"
 
 
@@ -155,26 +262,26 @@ def _memory(out: Path, boxes: list[int]) -> dict:
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
-    for on in (False, True):
+    for label, kw in (STEP_CASES[0], STEP_CASES[1], STEP_CASES[3]):
         for rep in boxes:
-            row = {"cohorts": on, "repeats": rep}
+            row = {"stack": label, "repeats": rep}
             try:
                 inputs = prepare_inputs(
                     ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
                 )
                 row |= {"n_atoms": inputs[0].shape[0], "n_edges": inputs[2].n_edges}
-                with options.use(cohorts=on):
+                with options.use(**kw):
                     peak = bench.peak_memory(lambda: force_step(model, *inputs))
                 row["peak_mem_MiB"] = peak / 2**20
-                largest[str(on)] = row["n_atoms"]
+                largest[label] = row["n_atoms"]
             except torch.cuda.OutOfMemoryError:
                 row["peak_mem_MiB"] = "out of memory"
             inputs = None
             free()
             rows.append({**row, **bench.provenance(torch.float32)})
-            print(f"memory cohorts={on} repeats={rep}: {row['peak_mem_MiB']}",
+            print(f"memory {label} repeats={rep}: {row['peak_mem_MiB']}",
                   flush=True)  # fmt: skip
             bench.write_csv(rows, out / "memory.csv")
             if row["peak_mem_MiB"] == "out of memory":
                 break
-    return {"largest box (atoms), cohorts off / on": largest}
+    return {"largest box (atoms)": largest}

@@ -12,14 +12,16 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
    (:class:`~ecekern.graph_step.GraphStep`);
 5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
    zonal="fused")``, replayed;
-6. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
+6. ``+ ch6 cohorts``: the same with ``cohorts=True`` (the mixing stack's backward in
+   cohorts of the option's ``cohort_edges``), replayed;
+7. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
    ``options.current()`` was);
-7. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
+8. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
    its time recorded), ``e3nn TP conv (NequIP-style)``, ``cuEquivariance TP conv
    (NequIP-style)`` (skipped, with the reason in the manifest, where
    ``cuequivariance_torch`` or its CUDA kernels ``cuequivariance_ops_torch`` do not
    load: cuet would fall back to its naive path);
-8. ``library defaults + torch.compile``.
+9. ``library defaults + torch.compile``.
 
 Each row: time (median, p10, p90 of at least 5 runs) and peak memory, with its
 provenance; ``progress.csv`` is rewritten after every row, in the table's order, so a
@@ -60,10 +62,16 @@ OURS = {
         "zonal": "reference",
     },
     "+ ch5 zonal": {"linear": "auto", "edge_frame": "packed", "zonal": "fused"},
+    "+ ch6 cohorts": {
+        "linear": "auto",
+        "edge_frame": "packed",
+        "zonal": "fused",
+        "cohorts": True,
+    },
     "library defaults": {},
 }
 #: The rows whose step is replayed as a CUDA graph (chapter 4 and after).
-REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal")
+REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal", "+ ch6 cohorts")
 #: The compiled rows: label -> the options their model is compiled and run under.
 COMPILED = {
     "reference + torch.compile": {"reference": True},
@@ -101,8 +109,8 @@ class _Table:
 
 
 def _paths(model, inputs) -> dict:
-    """The EquivariantLinear plan, the edge-frame path and the zonal path the current
-    options give this model's step."""
+    """The EquivariantLinear plan, the edge-frame path, the zonal path and whether
+    the stack runs in cohorts, as the current options give this model's step."""
     from .. import linear
 
     pos = inputs[0]
@@ -116,7 +124,8 @@ def _paths(model, inputs) -> dict:
         plan = ""
     zonal = "fused" if options.zonal_fused(pos.device.type) else "reference"
     edge = options.edge_frame_path(pos.device.type)
-    return {"linear": plan, "edge_frame": edge, "zonal": zonal}
+    cohorts = options.cohorts_on()
+    return {"linear": plan, "edge_frame": edge, "zonal": zonal, "cohorts": cohorts}
 
 
 def _row(table, label, model, inputs, n_atoms, rep_ms, info, extra=None) -> None:
