@@ -42,7 +42,7 @@ from ._autograd import engine_uses, grad_node
 __all__ = ["COHORT_EDGES", "mixing_stack"]
 
 #: Rows (edges) per cohort unless told otherwise.
-COHORT_EDGES = 8192
+COHORT_EDGES = 65536
 
 
 def _stack(x_cos, x_sin, params, K, linear):

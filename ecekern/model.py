@@ -397,7 +397,7 @@ class ECEModel(nn.Module):
                     x_cos = x_cos * rho_t[:, :, None]
                     x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
-                if options.cohorts_on():  # chapter 6: the backward in cohorts
+                if options.cohorts_on(x_cos.device.type):  # chapter 6
                     y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
                 else:
                     u_cos, u_sin = x_cos, x_sin

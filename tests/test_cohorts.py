@@ -240,6 +240,10 @@ def test_option_from_the_environment(monkeypatch):
         options.Options(cohorts="yes")
     with options.use(cohorts=True, reference=True):
         assert not options.cohorts_on()  # the reference wins
+    monkeypatch.setenv("ECEKERN_COHORTS", "auto")
+    assert options._from_environment(options.Options()).cohorts is None
+    with options.use(cohorts=None):  # auto: on for CUDA tensors only
+        assert options.cohorts_on("cuda") and not options.cohorts_on("cpu")
 
 
 @pytest.mark.gpu
@@ -253,7 +257,8 @@ def test_gpu_model_with_cohorts_three_way():
     truth = force_step(model, *prepare_inputs(atoms, 5.0, torch.float64, "cuda"))
     model = model.float()
     inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
-    plain = force_step(model, *inputs)
+    with options.use(cohorts=False):
+        plain = force_step(model, *inputs)
     for recompute in (False, True):
         with options.use(cohorts=True, cohort_edges=1000, cohort_recompute=recompute):
             got = force_step(model, *inputs)

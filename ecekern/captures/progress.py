@@ -50,18 +50,30 @@ __all__ = ["OURS", "REPLAYED", "capture"]
 #: Our rows: label -> the options they run under (``{}``: the library's defaults).
 OURS = {
     "reference": {"reference": True},
-    "+ ch2 linear": {"linear": "auto", "edge_frame": "reference", "zonal": "reference"},
+    "+ ch2 linear": {
+        "linear": "auto",
+        "edge_frame": "reference",
+        "zonal": "reference",
+        "cohorts": False,
+    },
     "+ ch3 edge_frame": {
         "linear": "auto",
         "edge_frame": "packed",
         "zonal": "reference",
+        "cohorts": False,
     },
     "+ ch4 graph_step": {
         "linear": "auto",
         "edge_frame": "packed",
         "zonal": "reference",
+        "cohorts": False,
     },
-    "+ ch5 zonal": {"linear": "auto", "edge_frame": "packed", "zonal": "fused"},
+    "+ ch5 zonal": {
+        "linear": "auto",
+        "edge_frame": "packed",
+        "zonal": "fused",
+        "cohorts": False,
+    },
     "+ ch6 cohorts": {
         "linear": "auto",
         "edge_frame": "packed",
@@ -124,7 +136,7 @@ def _paths(model, inputs) -> dict:
         plan = ""
     zonal = "fused" if options.zonal_fused(pos.device.type) else "reference"
     edge = options.edge_frame_path(pos.device.type)
-    cohorts = options.cohorts_on()
+    cohorts = options.cohorts_on(pos.device.type)
     return {"linear": plan, "edge_frame": edge, "zonal": zonal, "cohorts": cohorts}
 
 
