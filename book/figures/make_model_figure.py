@@ -30,7 +30,7 @@ ONCE = [
 ]
 LAYER = [
     ("rotate &\nselect", "features into\nthe edge frame", GREEN, "ch 3"),
-    ("mixing\nstack", "gated\nEquivariantLinear", GREEN, "ch 2"),
+    ("mixing\nstack", "gated\nEquivariantLinear", GREEN, "ch 2, 6"),
     ("pack &\nunrotate", "back to the\nglobal frame", GREEN, "ch 3"),
     ("aggregate\n& update", "sum over\nneighbours", GREEN, "ch 3"),
 ]
@@ -147,8 +147,8 @@ def main(path="book/figures/model.png"):
     ax.text(
         0.16,
         0.14,
-        "Chapter 1: every stage in PyTorch.  ch 2, 3, 5: a kernel there.  "
-        "ch 4: edges in a fixed capacity.",
+        "Chapter 1: all in PyTorch.  ch 2, 3, 5: a kernel there.  "
+        "ch 4: a fixed edge capacity.  ch 6: less memory.",
         fontsize=BODY,
         color=INK,
         va="bottom",
