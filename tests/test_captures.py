@@ -525,6 +525,35 @@ def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
         assert "methodology/rows.csv" in tar.getnames()
 
 
+def test_a_part_run_merges_into_the_chapter_manifest(tmp_path, monkeypatch):
+    """``--parts`` re-runs part of a chapter: the earlier notes stay, this run's
+    replace theirs, and the run is listed under ``runs`` with its provenance."""
+    import torch
+
+    from ecekern import bench
+    from ecekern.captures import __main__ as cli
+    from ecekern.captures import chapters
+
+    def chapter(out, quick=False, ncu=True, parts="a,b"):
+        (out / f"{parts}.csv").write_text("x\n1\n")
+        return {p: f"done {p}" for p in parts.split(",")}
+
+    monkeypatch.setitem(chapters.REGISTRY, "methodology", chapter)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "provenance", lambda **kw: {"command": kw["command"]})
+    read = lambda: json.loads((tmp_path / "methodology" / "manifest.json").read_text())  # noqa: E731
+    assert cli.main(["methodology", "--out", str(tmp_path)]) == 0
+    first = read()
+    assert first["a"] == "done a" and "runs" not in first
+    assert cli.main(["methodology", "--out", str(tmp_path), "--parts", "b"]) == 0
+    m = read()
+    assert m["a"] == "done a" and m["b"] == "done b"
+    assert m["provenance"] == first["provenance"]  # the full run's stays on top
+    assert m["files"] == ["a,b.csv", "b.csv"]
+    assert [r["parts"] for r in m["runs"]] == ["b"]
+    assert m["runs"][0]["provenance"]["command"].endswith("--parts b")
+
+
 def test_chapter_opening_reads_its_row_and_stage_share():
     """A chapter opens with its progress-table row and its stages' share of the
     reference's force step, both from the one-run capture."""

@@ -4,7 +4,8 @@ Runs each chapter's capture on the GPU, writes ``DIR/<chapter>/`` (CSVs, profile
 tables, ncu metrics, ``manifest.json``) and packs everything as
 ``DIR/captures.tar.gz``: copy it back and unpack it into ``book/captures``. The
 chapters are those of :data:`ecekern.captures.chapters.REGISTRY`; ``--parts`` picks
-some of a chapter's parts (``01_reference --parts progress``: the progress table).
+some of a chapter's parts (``01_reference --parts progress``: the progress table), and
+its notes are merged into the chapter's existing manifest (:func:`merge_part_run`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ import traceback
 from pathlib import Path
 
 from . import chapters
+
+
+def merge_part_run(path: Path, run: dict, parts: str) -> dict:
+    """A run of some parts (``--parts``) into the chapter's existing manifest: the
+    earlier runs' notes stay, this run's notes replace theirs key by key, and the run
+    (its parts, status, seconds and provenance) is appended to ``runs``. Without an
+    earlier manifest the run's own is returned."""
+    if not path.exists():
+        return run
+    old = json.loads(path.read_text())
+    fixed = ("chapter", "status", "quick", "seconds", "provenance", "files", "runs")
+    notes = {k: v for k, v in run.items() if k not in fixed}
+    merged = {**old, **notes}
+    merged["files"] = sorted(set(old.get("files", [])) | set(run["files"]))
+    entry = {k: run[k] for k in ("status", "seconds", "provenance")}
+    merged["runs"] = [*old.get("runs", []), {"parts": parts, **entry}]
+    return merged
 
 
 def main(argv=None) -> int:
@@ -71,9 +89,11 @@ def main(argv=None) -> int:
             "provenance": provenance(
                 command="python -m ecekern.captures " + " ".join(argv or sys.argv[1:])
             ),
-            "files": sorted(p.name for p in d.iterdir()),
+            "files": sorted(p.name for p in d.iterdir() if p.name != "manifest.json"),
             **info,
         }
+        if args.parts:
+            manifest = merge_part_run(d / "manifest.json", manifest, args.parts)
         (d / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         print(f"[captures] {name}: {status} in {manifest['seconds']} s", flush=True)
     with tarfile.open(out / "captures.tar.gz", "w:gz") as tar:
