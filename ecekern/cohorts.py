@@ -113,7 +113,7 @@ def _input_backward(zs, g_cos, g_sin, params, K, linear, cohort):
     Linear_out^T(dy)``; ``dz_k = gate'(z_k) du_k``; ``du_(k-1) = du_k +
     Linear_k^T(dz_k)``; ``dx = du_0``. No linear of the forward runs again."""
     E = g_cos.shape[0]
-    F = params[0].shape[-1] if K else params[2 * K].shape[-1]
+    F = params[2 * K].shape[-1]  # W_out (n_ang, F', F)
     dx_cos = g_cos.new_empty((E, F, g_cos.shape[-1]))
     dx_sin = torch.empty_like(dx_cos)
 
@@ -131,6 +131,36 @@ def _input_backward(zs, g_cos, g_sin, params, K, linear, cohort):
             du_cos, du_sin = du_cos + d_cos, du_sin + d_sin
         dx_cos[a:b], dx_sin[a:b] = du_cos, du_sin
     return dx_cos, dx_sin
+
+
+def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need_x,
+                     want):  # fmt: skip
+    """dx row by row of cohorts, parameter gradients summed over cohorts in order."""
+    E = x_cos.shape[0]
+    dx_cos = torch.empty_like(x_cos) if need_x else None
+    dx_sin = torch.empty_like(x_sin) if need_x else None
+    grads_p: list = [None] * len(params)
+    for a in range(0, E, cohort):
+        b = min(a + cohort, E)
+        with torch.enable_grad():
+            xc = x_cos[a:b].detach().requires_grad_(need_x)
+            xs = x_sin[a:b].detach().requires_grad_(need_x)
+            y = _stack(xc, xs, params, K, linear)
+            gy = (g_cos[a:b], g_sin[a:b])  # autograd materialises unused ones as zeros
+            inputs = ([xc, xs] if need_x else []) + [params[i] for i in want]
+            if not inputs:
+                break
+            got = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+        if need_x:
+            dx_cos[a:b] = 0 if got[0] is None else got[0]
+            dx_sin[a:b] = 0 if got[1] is None else got[1]
+        for i, g in zip(want, got[2 if need_x else 0 :], strict=True):
+            if g is not None:
+                grads_p[i] = g if grads_p[i] is None else grads_p[i] + g
+    for i in want:  # E = 0, or a parameter the stack does not use
+        if grads_p[i] is None:
+            grads_p[i] = torch.zeros_like(params[i])
+    return dx_cos, dx_sin, grads_p
 
 
 class _CohortStack(torch.autograd.Function):
@@ -190,36 +220,6 @@ class _CohortStack(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             dx_sin = None
         return dx_cos, dx_sin, None, None, None, None, *grads_p
-
-
-def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need_x,
-                     want):  # fmt: skip
-    """dx row by row of cohorts, parameter gradients summed over cohorts in order."""
-    E = x_cos.shape[0]
-    dx_cos = torch.empty_like(x_cos) if need_x else None
-    dx_sin = torch.empty_like(x_sin) if need_x else None
-    grads_p: list = [None] * len(params)
-    for a in range(0, E, cohort):
-        b = min(a + cohort, E)
-        with torch.enable_grad():
-            xc = x_cos[a:b].detach().requires_grad_(need_x)
-            xs = x_sin[a:b].detach().requires_grad_(need_x)
-            y = _stack(xc, xs, params, K, linear)
-            gy = (g_cos[a:b], g_sin[a:b])  # autograd materialises unused ones as zeros
-            inputs = ([xc, xs] if need_x else []) + [params[i] for i in want]
-            if not inputs:
-                break
-            got = torch.autograd.grad(y, inputs, gy, allow_unused=True)
-        if need_x:
-            dx_cos[a:b] = 0 if got[0] is None else got[0]
-            dx_sin[a:b] = 0 if got[1] is None else got[1]
-        for i, g in zip(want, got[2 if need_x else 0 :], strict=True):
-            if g is not None:
-                grads_p[i] = g if grads_p[i] is None else grads_p[i] + g
-    for i in want:  # E = 0, or a parameter the stack does not use
-        if grads_p[i] is None:
-            grads_p[i] = torch.zeros_like(params[i])
-    return dx_cos, dx_sin, grads_p
 
 
 def mixing_stack(
