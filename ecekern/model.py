@@ -170,9 +170,10 @@ class _Interaction(nn.Module):
 
 def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
-    the layer's own EquivariantLinear path and the ``cohort_edges`` and
-    ``cohort_recompute`` options."""
-    path = layer.out.path
+    the layer's own EquivariantLinear path and the ``cohort_edges``,
+    ``cohort_recompute`` and ``cohort_fused`` options."""
+    path, now = layer.out.path, options.current()
+    fused = now.cohort_fused
 
     def linear(xc, xs, w, b):
         return equivariant_linear(xc, xs, w, b, path)
@@ -180,7 +181,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        options.current().cohort_edges, options.current().cohort_recompute,
+        now.cohort_edges, now.cohort_recompute, None if fused == "off" else fused,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ __all__ = [
 LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
 ZONAL_PATHS = ("auto", "reference", "fused")
 EDGE_FRAME_PATHS = ("auto", "reference", "table", "packed")
+COHORT_FUSED = ("off", "ieee", "tf32", "tf32x3")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class Options:
         cohort_recompute: with ``cohorts``, keep only the stack's input and recompute
             its forward in the backward (the least memory); False keeps the
             pre-activations too, and a force step's backward runs no linear twice.
+        cohort_fused: with ``cohorts``, the stack's forward by the fused kernel
+            (:mod:`ecekern.cohorts.fused`) at a ``tl.dot`` precision: ``"ieee"``
+            (strict fp32), ``"tf32"``, ``"tf32x3"``; ``"off"`` (the default: the
+            kernel is not yet measured on a GPU) runs the linears.
     """
 
     reference: bool = False
@@ -72,6 +77,7 @@ class Options:
     cohorts: bool | None = None
     cohort_edges: int = 65536
     cohort_recompute: bool = False
+    cohort_fused: str = "off"
 
     def __post_init__(self):
         for name in ("reference", "cohorts", "cohort_recompute"):
@@ -83,6 +89,10 @@ class Options:
         c = self.cohort_edges
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"cohort_edges must be a positive int, got {c!r}")
+        if self.cohort_fused not in COHORT_FUSED:
+            raise ValueError(
+                f"cohort_fused must be one of {COHORT_FUSED}, got {self.cohort_fused!r}"
+            )
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
                 f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"

@@ -591,4 +591,6 @@ def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     assert info["steps"] == "skipped: no GPU" and info["memory"] == "skipped: no GPU"
     assert info["precision"] == "skipped: no GPU"
     rows = _rows(tmp_path / "stack.csv")
-    assert [r["stack"] for r in rows] == [c[0] for c in cohorts.COHORTS]
+    labels = [c[0] for c in cohorts.COHORTS] + [f[0] for f in cohorts.FUSED]
+    assert [r["stack"] for r in rows] == labels
+    assert all("factor" in r["note"] for r in rows[len(cohorts.COHORTS) :])

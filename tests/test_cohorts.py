@@ -10,6 +10,7 @@ import torch
 
 import ecekern
 from ecekern import cohorts, options, reference
+from ecekern.cohorts import fused as fused_mod
 from ecekern.model import force_step, prepare_inputs
 from ecekern.testing import assert_close_three_way, rel_err
 
@@ -17,8 +18,9 @@ from ecekern.testing import assert_close_three_way, rel_err
 def _stack_args(E, F=8, Fo=6, n_ang=2, K=2, dtype=torch.float64, seed=0, bias=True):
     g = torch.Generator().manual_seed(seed)
 
-    def r(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=g, dtype=dtype)).requires_grad_()
+    def r(*shape, scale=1.0):  # drawn in float64 (randn's float32 stream differs)
+        t = scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+        return t.to(dtype).requires_grad_()
 
     x = [r(E, F, n_ang) for _ in range(2)]
     weights = [r(n_ang, F, F, scale=F**-0.5) for _ in range(K)]
@@ -31,7 +33,7 @@ def _stack_args(E, F=8, Fo=6, n_ang=2, K=2, dtype=torch.float64, seed=0, bias=Tr
 def _grads(fn, x, weights, biases, w_out, b_out, seed=1):
     y = fn(*x, weights, biases, w_out, b_out)
     g = torch.Generator().manual_seed(seed)
-    gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+    gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
     wrt = [*x, *weights, *[b for b in biases if b is not None], w_out]
     wrt += [b_out] if b_out is not None else []
     return y, torch.autograd.grad(y, wrt, gy)
@@ -80,7 +82,10 @@ def test_fp64_force_backward_matches_reference(E, cohort, recompute):
         y = fn(*args[0], *args[1:])
         if gy is None:
             g = torch.Generator().manual_seed(2)
-            gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+            gy = [
+                torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)
+                for t in y
+            ]
         outs.append((*y, *torch.autograd.grad(y, x, gy)))
     for a, b in zip(*reversed(outs), strict=True):
         assert a.shape == b.shape
@@ -282,7 +287,7 @@ def test_cohort_edges_option(monkeypatch):
     real = cohorts.mixing_stack
 
     def spy(*args):
-        seen.append(args[-2])
+        seen.append(args[7])  # cohort_edges
         return real(*args)
 
     monkeypatch.setattr(cohorts, "mixing_stack", spy)
@@ -292,3 +297,130 @@ def test_cohort_edges_option(monkeypatch):
     with options.use(cohorts=True, cohort_edges=7):
         ecekern.energy_and_forces(model, atoms)
     assert seen and set(seen) == {7}
+
+
+# the fused forward (ecekern.cohorts.fused), in Triton's interpreter on the CPU
+def _fused_args(E, K, n_ang, bias, dtype=torch.float64, F=32, Fo=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):  # drawn in float64: the same values in every dtype
+        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    x = [r(E, F, n_ang).requires_grad_() for _ in range(2)]
+    ws = [r(n_ang, F, F, scale=F**-0.5) for _ in range(K)]
+    bs = [r(F) if bias else None for _ in range(K)]
+    return x, ws, bs, r(n_ang, Fo, F, scale=F**-0.5), r(Fo) if bias else None
+
+
+def _fwd_and_force_bwd(fn, x, *args, seed=3):
+    y = fn(*x, *args)
+    g = torch.Generator().manual_seed(seed)
+    gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
+    return (*y, *torch.autograd.grad(y, x, gy))
+
+
+needs_triton = pytest.mark.skipif(
+    fused_mod.why_not_fused(torch.empty(1, 32, 1), [], torch.empty(1, 16, 32), "ieee")
+    is not None,
+    reason="Triton (or its interpreter) is not available",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "E, K, n_ang, bias",
+    [
+        (0, 2, 3, True),
+        (1, 1, 2, False),
+        (17, 0, 3, True),
+        (37, 2, 3, True),
+        (100, 2, 1, True),
+    ],  # fmt: skip
+)
+def test_fused_forward_fp64_matches_reference(E, K, n_ang, bias):
+    """Forward and the force step's backward (from the z_k the kernel keeps); E = 100
+    is 7 tiles on 4 programs, so the persistent loop runs."""
+    x, *args = _fused_args(E, K, n_ang, bias)
+    got = _fwd_and_force_bwd(
+        lambda *a: cohorts.mixing_stack(*a, fused="ieee"), x, *args
+    )  # fmt: skip
+    ref = _fwd_and_force_bwd(reference.mixing_stack, x, *args)
+    for a, b in zip(got, ref, strict=True):
+        assert a.shape == b.shape
+        if b.numel():
+            assert rel_err(a, b) < 1e-12
+
+
+@needs_triton
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "tf32x3"])
+def test_fused_float32_against_float64(precision):
+    """ieee and tf32x3 by the three-way rule; TF32 (10-bit mantissa inputs) within
+    1e-2 relative, the bound chapter 6's precision table supports."""
+    x64, *a64 = _fused_args(45, 2, 3, True)
+    ref64 = _fwd_and_force_bwd(reference.mixing_stack, x64, *a64)
+    x32, *a32 = _fused_args(45, 2, 3, True, dtype=torch.float32)
+    ref32 = _fwd_and_force_bwd(reference.mixing_stack, x32, *a32)
+    got = _fwd_and_force_bwd(
+        lambda *a: cohorts.mixing_stack(*a, fused=precision), x32, *a32
+    )  # fmt: skip
+    for out, r32, r64 in zip(got, ref32, ref64, strict=True):
+        if precision == "tf32":
+            assert rel_err(out.double(), r64) < 1e-2
+        else:
+            assert_close_three_way(out, r32, r64, f"fused stack, {precision}")
+
+
+def test_fused_cannot_serve_falls_back_loudly():
+    """A shape, dtype or precision the kernel cannot serve runs the linears instead,
+    with a FallbackWarning; fused with recompute is an error."""
+    x, *args = _fused_args(9, 1, 2, True, F=24, Fo=12)  # no factor 16 in 24 and 12
+    ref = reference.mixing_stack(*x, *args)
+    with pytest.warns(options.FallbackWarning, match="fused"):
+        y = cohorts.mixing_stack(*x, *args, fused="ieee")
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
+    x, *args = _fused_args(9, 1, 2, True)
+    for bad in ("bf16", "tf32"):  # unknown; and TF32 for float64 inputs
+        with pytest.warns(options.FallbackWarning, match="precision"):
+            cohorts.mixing_stack(*x, *args, fused=bad)
+    with pytest.raises(ValueError, match="recompute"):
+        cohorts.mixing_stack(*x, *args, fused="ieee", recompute=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_gpu_fused_forward_three_way(precision):
+    """The book's widths (F = 192, F' = 96, n_ang = 3, K = 2) on CUDA, a tail tile."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x64, *a64 = _fused_args(5003, 2, 3, True, F=192, Fo=96)
+    x64 = [t.detach().cuda().requires_grad_() for t in x64]
+    a64 = [None if t is None else ([u.cuda() for u in t] if isinstance(t, list)
+           else t.cuda()) for t in a64]  # fmt: skip
+    ref64 = _fwd_and_force_bwd(reference.mixing_stack, x64, *a64)
+    x32 = [t.detach().float().requires_grad_() for t in x64]
+    a32 = [[u.float() for u in t] if isinstance(t, list) else t.float() for t in a64]
+    ref32 = _fwd_and_force_bwd(reference.mixing_stack, x32, *a32)
+    got = _fwd_and_force_bwd(
+        lambda *a: cohorts.mixing_stack(*a, fused=precision), x32, *a32
+    )  # fmt: skip
+    for out, r32, r64 in zip(got, ref32, ref64, strict=True):
+        assert_close_three_way(out, r32, r64, f"fused stack on CUDA, {precision}")
+
+
+@needs_triton
+def test_model_with_the_fused_forward_equals_without():
+    """The model's step with ``cohort_fused="ieee"`` (channels 16: F = 96, F' = 48)
+    equals the plain step in float64; a bad option value is an error."""
+    cfg = ecekern.ECEConfig(
+        channels=16, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
+    )
+    model = ecekern.ECEModel(cfg).double()
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(1, rattle=0.1, seed=5), cfg.cutoff, torch.float64, "cpu"
+    )
+    e_ref, f_ref = force_step(model, *inputs)
+    with options.use(cohorts=True, cohort_fused="ieee"):
+        e, f = force_step(model, *inputs)
+    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+    with pytest.raises(ValueError, match="cohort_fused"):
+        options.Options(cohort_fused="bf16")

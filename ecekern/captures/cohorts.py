@@ -4,8 +4,9 @@ Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32), strict 
 every earlier chapter's fast path on (the library's defaults):
 
 * ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
-  backward) at the 512- and 4096-atom boxes' edge counts, plain and in cohorts
-  (:data:`COHORTS`): time (ms) and the peak memory above the inputs (MiB);
+  backward) at the 512- and 4096-atom boxes' edge counts, plain, in cohorts
+  (:data:`COHORTS`) and with the fused forward (:data:`FUSED`): time (ms) and the
+  peak memory above the inputs (MiB);
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
   replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
@@ -14,7 +15,8 @@ every earlier chapter's fast path on (the library's defaults):
   plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
   diamond repeats), and the largest box that ran (an out-of-memory is a row, not
   the end of the run);
-* ``precision`` -> precision.csv, nve.csv: fp32 and TF32 against fp64 (same weights)
+* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the fused forward's tf32x3
+  and tf32 against fp64 (same weights)
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
+from ..cohorts import COHORT_EDGES
 from .common import book_config, device, free, parse_parts, run_parts
 
 __all__ = ["capture"]
@@ -41,6 +44,8 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
+#: The fused forward's rows of the ``stack`` part: (label, tl.dot precision).
+FUSED = (("fused ieee", "ieee"), ("fused tf32x3", "tf32x3"), ("fused tf32", "tf32"))
 
 
 def capture(
@@ -70,6 +75,7 @@ def capture(
 def _stack(out: Path, reps: list[int], dev: str) -> str:
     import ecekern
     from ecekern import cohorts, reference
+    from ecekern.cohorts.fused import why_not_fused
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
@@ -90,9 +96,16 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         ]
         gy = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
         gy.append(torch.randn_like(gy[0]))
-        for label, cohort, recompute in COHORTS:
+        cases = [(*c, None) for c in COHORTS]
+        cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
+        for label, cohort, recompute, fused in cases:
+            why = fused and why_not_fused(x[0], weights, layer.out.weight, fused)
+            if why:  # the interpreter's tiny model: widths without a factor 16
+                rows.append({"stack": label, "n_edges": E, "note": why})
+                bench.write_csv(rows, out / "stack.csv")
+                continue
 
-            def run(cohort=cohort, recompute=recompute):
+            def run(cohort=cohort, recompute=recompute, fused=fused):
                 if cohort is None:
                     y = reference.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
@@ -102,6 +115,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     y = cohorts.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
                         equivariant_linear, cohort_edges=cohort, recompute=recompute,
+                        fused=fused,
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 
@@ -131,6 +145,8 @@ STEP_CASES = (
     ("keep z", {"cohorts": True, "cohort_edges": 8192}),
     ("keep z", {"cohorts": True, "cohort_edges": 65536}),
     ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True}),
+    ("fused ieee", {"cohorts": True, "cohort_fused": "ieee"}),
+    ("fused tf32x3", {"cohorts": True, "cohort_fused": "tf32x3"}),
 )
 
 
@@ -215,7 +231,14 @@ def _precision(out: Path, rep: int = 4) -> str:
     torch.manual_seed(0)
     m64 = ecekern.ECEModel(cfg).double().to("cuda")
     m32 = copy.deepcopy(m64).float()
-    cases = (("fp64", m64, False), ("fp32", m32, False), ("tf32", m32, True))
+    fused = lambda p: {"cohorts": True, "cohort_fused": p}  # noqa: E731
+    cases = (
+        ("fp64", m64, False, {}),
+        ("fp32", m32, False, {}),
+        ("tf32", m32, True, {}),
+        ("fused tf32x3", m32, False, fused("tf32x3")),
+        ("fused tf32", m32, False, fused("tf32")),
+    )
     rows, nve = [], []
     for rattle in RATTLES:
         atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
@@ -223,11 +246,12 @@ def _precision(out: Path, rep: int = 4) -> str:
         e_ref, f_ref = (t.detach().cpu().double()
                         for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
         f_rms = f_ref.square().mean().sqrt().item()
-        for name, model, tf32 in cases[1:]:
+        for name, model, tf32, opts in cases[1:]:
             bench.set_tf32(tf32)
             try:
-                e, f = (t.detach().cpu().double()
-                        for t in ecekern.energy_and_forces(model, atoms))  # fmt: skip
+                with options.use(**opts):
+                    got = ecekern.energy_and_forces(model, atoms)
+                e, f = (t.detach().cpu().double() for t in got)
             finally:
                 bench.set_tf32(False)
             d = (f - f_ref).norm(dim=1)
@@ -242,13 +266,14 @@ def _precision(out: Path, rep: int = 4) -> str:
             })  # fmt: skip
             print(rows[-1], flush=True)
             bench.write_csv(rows, out / "precision.csv")
-    for name, model, tf32 in cases:
+    for name, model, tf32, opts in cases:
         atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
         thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
         atoms.calc = _tether_calculator(model, atoms.positions.copy())
         bench.set_tf32(tf32)
         try:
-            e0, t_fs, es = atoms.get_total_energy(), [], []
+            with options.use(**opts):
+                e0, t_fs, es = atoms.get_total_energy(), [], []
             dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
 
             def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
@@ -256,7 +281,8 @@ def _precision(out: Path, rep: int = 4) -> str:
                 es.append(atoms.get_total_energy())
 
             dyn.attach(log, interval=10)
-            dyn.run(round(NVE_FS / NVE_DT_FS))
+            with options.use(**opts):
+                dyn.run(round(NVE_FS / NVE_DT_FS))
             de = (np.asarray(es) - e0) / len(atoms)
             slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
             row = {

@@ -45,8 +45,9 @@ import numbers as _numbers
 
 import torch
 
-from . import reference
-from ._autograd import engine_uses, grad_node
+from .. import options, reference
+from .._autograd import engine_uses, grad_node
+from . import fused as _fused
 
 __all__ = ["COHORT_EDGES", "mixing_stack"]
 
@@ -73,9 +74,16 @@ def _stack_keep(x_cos, x_sin, params, K, linear):
     return (*linear(u_cos, u_sin, params[2 * K], params[2 * K + 1]), *zs)
 
 
-def _forward(x_cos, x_sin, params, K, linear, cohort, keep):
+def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
     """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
-    ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K."""
+    ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K;
+    ``fused`` (a precision): all rows by the fused kernel, which keeps them."""
+    if fused is not None:
+        w, b = params[:K], params[K : 2 * K]
+        y_cos, y_sin, zs = _fused.fused_forward(
+            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused
+        )
+        return (y_cos, y_sin, *zs)
     E = x_cos.shape[0]
     run = _stack_keep if keep else _stack
     if E <= cohort:
@@ -164,14 +172,17 @@ def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need
 
 
 class _CohortStack(torch.autograd.Function):
-    """``(x_cos, x_sin, linear, cohort, recompute, K, *params) -> (y_cos, y_sin)``,
+    """``(x_cos, x_sin, linear, cohort, recompute, fused, K, *params) -> (y_cos,
+    y_sin)``,
     rows ``(E, F, n_ang)``; params = K weights, K biases, the output weight and bias.
     Saved: x, the params and, unless ``recompute``, the pre-activations z_k."""
 
     @staticmethod
-    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, K, *params):
+    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, K, *params):
         keep = not recompute
-        y_cos, y_sin, *zs = _forward(x_cos, x_sin, params, K, linear, cohort, keep)
+        y_cos, y_sin, *zs = _forward(
+            x_cos, x_sin, params, K, linear, cohort, keep, fused
+        )
         ctx.save_for_backward(x_cos, x_sin, *params, *zs)
         ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
@@ -181,7 +192,7 @@ class _CohortStack(torch.autograd.Function):
     def backward(ctx, g_cos, g_sin):
         x_cos, x_sin, *rest = ctx.saved_tensors
         params, zs = rest[: ctx.n_params], rest[ctx.n_params :]
-        K, linear, n_in = ctx.K, ctx.linear, 6
+        K, linear, n_in = ctx.K, ctx.linear, 7
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         double = torch.is_grad_enabled()
         want = [
@@ -219,7 +230,7 @@ class _CohortStack(torch.autograd.Function):
             dx_cos = None
         if not ctx.needs_input_grad[1]:
             dx_sin = None
-        return dx_cos, dx_sin, None, None, None, None, *grads_p
+        return dx_cos, dx_sin, None, None, None, None, None, *grads_p
 
 
 def mixing_stack(
@@ -232,6 +243,7 @@ def mixing_stack(
     linear=None,
     cohort_edges: int = COHORT_EDGES,
     recompute: bool = False,
+    fused: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixing stack of :func:`ecekern.reference.mixing_stack` (same arguments and
     result), its backward in cohorts of at most ``cohort_edges`` rows.
@@ -247,6 +259,11 @@ def mixing_stack(
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
+        fused: None, or the forward by the fused kernel of
+            :mod:`ecekern.cohorts.fused` at this ``tl.dot`` precision (``"ieee"``,
+            ``"tf32"``, ``"tf32x3"``); it keeps the pre-activations, so it needs
+            ``recompute=False``. A call it cannot serve falls back, loudly, to
+            ``linear``.
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
@@ -278,8 +295,24 @@ def mixing_stack(
     rows = (-1, F, n_ang)
     xc, xs = x_cos.reshape(rows), x_sin.reshape(rows)
     params = (*weights, *biases, weight_out, bias_out)
+    if fused is not None:
+        if recompute:
+            raise ValueError(
+                "fused keeps the pre-activations: it needs recompute=False"
+            )
+        why = _fused.why_not_fused(xc, weights, weight_out, fused)
+        if why:
+            options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
+            fused = None
     y_cos, y_sin = _CohortStack.apply(
-        xc, xs, linear, int(cohort_edges), bool(recompute), len(weights), *params
+        xc,
+        xs,
+        linear,
+        int(cohort_edges),
+        bool(recompute),
+        fused,
+        len(weights),
+        *params,
     )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]
