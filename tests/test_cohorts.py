@@ -1,4 +1,4 @@
-"""Chapter 6, step 1: the mixing stack's backward in cohorts (ecekern.cohorts).
+"""Chapter 6: the mixing stack in cohorts and its fused forward (ecekern.cohorts).
 
 Three ways where the arithmetic differs (float32 against float64); to about 1e-12 in
 float64, where the arithmetic is the reference's in another order of rows."""
@@ -13,6 +13,12 @@ from ecekern import cohorts, options, reference
 from ecekern.cohorts import fused as fused_mod
 from ecekern.model import force_step, prepare_inputs
 from ecekern.testing import assert_close_three_way, rel_err
+
+needs_triton = pytest.mark.skipif(
+    fused_mod.why_not_fused(torch.empty(1, 32, 1), [], torch.empty(1, 16, 32), "ieee")
+    is not None,
+    reason="Triton (or its interpreter) is not available",
+)
 
 
 def _stack_args(E, F=8, Fo=6, n_ang=2, K=2, dtype=torch.float64, seed=0, bias=True):
@@ -220,19 +226,30 @@ def test_compile_with_sizes_that_vary(sizes):
             assert rel_err(a, b) < 1e-12
 
 
-def test_model_with_cohorts_equals_without():
+@pytest.mark.parametrize(
+    "channels, opts",
+    [
+        (4, {"cohort_edges": 50}),
+        (4, {"cohort_edges": 50, "cohort_recompute": True}),
+        pytest.param(16, {"cohort_fused": "ieee"}, marks=needs_triton),
+    ],
+    ids=["keep_z", "recompute", "fused"],
+)
+def test_model_with_cohorts_equals_without(channels, opts):
+    """The model's step in cohorts equals the plain step in float64, keeping z,
+    recomputing, and with the fused forward (channels 16: F = 96, F' = 48, a
+    factor 16 in both)."""
     cfg = ecekern.ECEConfig(
-        channels=4, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
+        channels=channels, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
     )
     model = ecekern.ECEModel(cfg).double()
     inputs = prepare_inputs(
         ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
     )
     e_ref, f_ref = force_step(model, *inputs)
-    for recompute in (False, True):
-        with options.use(cohorts=True, cohort_edges=50, cohort_recompute=recompute):
-            e, f = force_step(model, *inputs)
-        assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+    with options.use(cohorts=True, **opts):
+        e, f = force_step(model, *inputs)
+    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
 
 
 def test_option_from_the_environment(monkeypatch):
@@ -283,6 +300,8 @@ def test_cohort_edges_option(monkeypatch):
             options._from_environment(options.Options())
     with pytest.raises(ValueError, match="cohort_edges"):
         options.Options(cohort_edges=True)
+    with pytest.raises(ValueError, match="cohort_fused"):
+        options.Options(cohort_fused="bf16")
     seen = []
     real = cohorts.mixing_stack
 
@@ -317,13 +336,6 @@ def _fwd_and_force_bwd(fn, x, *args, seed=3):
     g = torch.Generator().manual_seed(seed)
     gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
     return (*y, *torch.autograd.grad(y, x, gy))
-
-
-needs_triton = pytest.mark.skipif(
-    fused_mod.why_not_fused(torch.empty(1, 32, 1), [], torch.empty(1, 16, 32), "ieee")
-    is not None,
-    reason="Triton (or its interpreter) is not available",
-)
 
 
 @needs_triton
@@ -405,22 +417,3 @@ def test_gpu_fused_forward_three_way(precision):
     )  # fmt: skip
     for out, r32, r64 in zip(got, ref32, ref64, strict=True):
         assert_close_three_way(out, r32, r64, f"fused stack on CUDA, {precision}")
-
-
-@needs_triton
-def test_model_with_the_fused_forward_equals_without():
-    """The model's step with ``cohort_fused="ieee"`` (channels 16: F = 96, F' = 48)
-    equals the plain step in float64; a bad option value is an error."""
-    cfg = ecekern.ECEConfig(
-        channels=16, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
-    )
-    model = ecekern.ECEModel(cfg).double()
-    inputs = prepare_inputs(
-        ecekern.systems.diamond(1, rattle=0.1, seed=5), cfg.cutoff, torch.float64, "cpu"
-    )
-    e_ref, f_ref = force_step(model, *inputs)
-    with options.use(cohorts=True, cohort_fused="ieee"):
-        e, f = force_step(model, *inputs)
-    assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
-    with pytest.raises(ValueError, match="cohort_fused"):
-        options.Options(cohort_fused="bf16")
