@@ -65,9 +65,10 @@ class Options:
             its forward in the backward (the least memory); False keeps the
             pre-activations too, and a force step's backward runs no linear twice.
         cohort_fused: with ``cohorts``, the stack's forward by the fused kernel
-            (:mod:`ecekern.cohorts.fused`) at a ``tl.dot`` precision: ``"ieee"``
-            (strict fp32), ``"tf32"``, ``"tf32x3"``; ``"off"`` (the default: the
-            kernel is not yet measured on a GPU) runs the linears.
+            (:func:`ecekern.cohorts.fused.fused_forward`) at a ``tl.dot``
+            precision: ``"ieee"`` (strict fp32), ``"tf32"``, ``"tf32x3"``;
+            ``"off"`` (the default: the kernel is not yet measured on a GPU) runs
+            the linears.
     """
 
     reference: bool = False

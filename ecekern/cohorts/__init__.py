@@ -259,11 +259,11 @@ def mixing_stack(
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
-        fused: None, or the forward by the fused kernel of
-            :mod:`ecekern.cohorts.fused` at this ``tl.dot`` precision (``"ieee"``,
-            ``"tf32"``, ``"tf32x3"``); it keeps the pre-activations, so it needs
-            ``recompute=False``. A call it cannot serve falls back, loudly, to
-            ``linear``.
+        fused: None, or the forward by the fused kernel,
+            :func:`ecekern.cohorts.fused.fused_forward`, at this ``tl.dot``
+            precision (``"ieee"``, ``"tf32"``, ``"tf32x3"``); it keeps the
+            pre-activations, so it needs ``recompute=False``. A call it cannot
+            serve falls back, loudly, to ``linear``.
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
