@@ -39,7 +39,10 @@ def _stack_args(E, F=8, Fo=6, n_ang=2, K=2, dtype=torch.float64, seed=0, bias=Tr
 def _grads(fn, x, weights, biases, w_out, b_out, seed=1):
     y = fn(*x, weights, biases, w_out, b_out)
     g = torch.Generator().manual_seed(seed)
-    gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
+    gy = [
+        torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype)
+        for t in y
+    ]
     wrt = [*x, *weights, *[b for b in biases if b is not None], w_out]
     wrt += [b_out] if b_out is not None else []
     return y, torch.autograd.grad(y, wrt, gy)
@@ -334,7 +337,10 @@ def _fused_args(E, K, n_ang, bias, dtype=torch.float64, F=32, Fo=16, seed=0):
 def _fwd_and_force_bwd(fn, x, *args, seed=3):
     y = fn(*x, *args)
     g = torch.Generator().manual_seed(seed)
-    gy = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in y]
+    gy = [
+        torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype)
+        for t in y
+    ]
     return (*y, *torch.autograd.grad(y, x, gy))
 
 

@@ -77,13 +77,13 @@ def _stack_keep(x_cos, x_sin, params, K, linear):
 def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
     """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
     ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K;
-    ``fused`` (a precision): all rows by the fused kernel, which keeps them."""
+    ``fused`` (a precision): all rows by the fused kernel, followed by its one
+    ``z (K, 2, E, F, n_ang)``."""
     if fused is not None:
         w, b = params[:K], params[K : 2 * K]
-        y_cos, y_sin, zs = _fused.fused_forward(
+        return _fused.fused_forward(
             x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused
         )
-        return (y_cos, y_sin, *zs)
     E = x_cos.shape[0]
     run = _stack_keep if keep else _stack
     if E <= cohort:
@@ -185,6 +185,7 @@ class _CohortStack(torch.autograd.Function):
         )
         ctx.save_for_backward(x_cos, x_sin, *params, *zs)
         ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
+        ctx.fused = fused
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
         return y_cos, y_sin
 
@@ -205,7 +206,11 @@ class _CohortStack(torch.autograd.Function):
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
         if not double and not want and zs:  # a force step: from the kept z_k
-            if need_x:
+            if need_x and ctx.fused is not None:  # the fused kernel's one z
+                dx_cos, dx_sin = _fused.fused_backward(
+                    zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused
+                )
+            elif need_x:
                 dx_cos, dx_sin = _input_backward(
                     zs, g_cos, g_sin, params, K, linear, ctx.cohort
                 )
@@ -259,10 +264,11 @@ def mixing_stack(
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
-        fused: None, or the forward by the fused kernel,
-            :func:`ecekern.cohorts.fused.fused_forward`, at this ``tl.dot``
-            precision (``"ieee"``, ``"tf32"``, ``"tf32x3"``); it keeps the
-            pre-activations, so it needs ``recompute=False``. A call it cannot
+        fused: None, or the forward and the force step's backward by the fused
+            kernels, :func:`ecekern.cohorts.fused.fused_forward` and
+            :func:`~ecekern.cohorts.fused.fused_backward`, at this ``tl.dot``
+            precision (``"ieee"``, ``"tf32"``, ``"tf32x3"``); they keep the
+            pre-activations, so they need ``recompute=False``. A call it cannot
             serve falls back, loudly, to ``linear``.
 
     Returns:

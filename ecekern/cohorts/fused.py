@@ -1,4 +1,4 @@
-"""The mixing stack's forward in one kernel: a tile of edges runs every layer on chip.
+"""The mixing stack in one kernel per tile of edges: forward, and the force backward.
 
 Formula (:func:`ecekern.reference.mixing_stack`), for each edge e and order m, cos and
 sin alike (the gate couples the orders of a row through its m = 0 cos value p)::
@@ -6,153 +6,228 @@ sin alike (the gate couples the orders of a row through its m = 0 cos value p)::
     u_0 = x;  z_k = W_k[m] u_(k-1) (+ b_k at m = 0, cos);  u_k = u_(k-1) + gate(z_k)
     y = W_out[m] u_K (+ b_out at m = 0, cos)
 
-Shapes: ``x_cos, x_sin (E, F, n_ang)``; ``W_k (n_ang, F, F)``; ``W_out (n_ang, F', F)``;
-outputs ``y_cos, y_sin (E, F', n_ang)`` and the pre-activations ``z_k`` (cos, sin),
-each ``(E, F, n_ang)``, which the force step's backward
-(:func:`ecekern.cohorts._input_backward`) reads instead of recomputing them.
+and the force step's backward (no parameter gradients), from the kept ``z_k``::
 
-One program takes ``BE`` edges at a time (a persistent loop over tiles). The tile's
-activations, ``2 n_ang BE F`` values (cos and sin), live in a scratch of two
-buffers per program (layer k reads one, writes the other), a gate row of
-``BE F`` values beside them; the scratch is sized by the number of programs, not by
-E, so that it stays in L2. Each output chunk of ``BC`` features is a sum of
-``(BE, BC) x (BC, BC)`` products over the input chunks, with W read from L2 by
-every tile. ``tl.debug_barrier`` orders a layer's writes before the next layer's
-reads.
+    du_K = W_out[m]^T dy;  dz_k = gate'(z_k) du_k;  du_(k-1) = du_k + W_k[m]^T dz_k
+    dx = du_0
 
-Bytes model (DRAM): x in, y and the K pre-activations out: ``(2 F n_ang (1 + K) +
-2 F' n_ang) E`` values per call; the weights, ``(K F + F') F n_ang`` values, once
-into L2. FLOPs: ``4 n_ang (K F^2 + F' F) E``.
+Shapes: ``x_cos, x_sin, dx_cos, dx_sin (E, F, n_ang)``; ``W_k (n_ang, F, F)``;
+``W_out (n_ang, F', F)``; ``y_cos, y_sin, dy_cos, dy_sin (E, F', n_ang)``; the
+pre-activations ``z (K, 2, E, F, n_ang)`` (cos, sin), written by the forward and read
+by the backward instead of recomputing the layers.
+
+A program takes ``BE`` edges at a time (a persistent loop over tiles) and one order
+at a time: the linears are block-diagonal in m, so a tile's order-m rows go through
+every layer before the next order. The gate's ``s = sigmoid(p)`` (forward) and the
+backward's ``sum_(m>=1) du_m z_m`` are the only values that cross orders; the
+forward does m = 0 first, the backward m = 0 last. The cos and sin rows of a tile are
+one ``(2 BE, F)`` operand, so each product is ``(2 BE, BI) x (BI, BO)`` (chunks of
+features, ``CF`` of F and ``CO`` of F'), with W read
+from L2 by every tile. The tile's rows live in a per-program scratch, sized by the
+number of programs and not by E, so that it stays in L2: forward ``(4 BE + K BE) F``
+values, backward ``(2 BE)(2 F + F' + K F)``; ``tl.debug_barrier`` orders a
+layer's writes before the next layer's reads.
+
+Bytes model (DRAM): forward, x in, y and the K pre-activations out,
+``(2 F n_ang (1 + K) + 2 F' n_ang) E`` values; backward, dy and the ``z_k`` in and
+dx out, the same count; the weights, ``(K F + F') F n_ang`` values, once into L2.
+FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way.
 
 Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
 (Triton's three-pass TF32, fp32-accurate) for float32 inputs.
 
-Gradients: none here; :func:`ecekern.cohorts.mixing_stack` with ``fused=True`` uses
-it for the forward and takes its backward from the kept ``z_k``.
+Gradients: these are the gradients (the backward kernel); no parameter gradients
+(:func:`ecekern.cohorts.mixing_stack` computes those by recomputing cohorts).
 
-Status: tested in Triton's CPU interpreter against the reference in float64; not yet
-compiled or measured on a GPU, so nothing uses it by default.
+Status: tested against the reference in float64 (Triton's CPU interpreter) and
+float32 on an H200; off by default (option ``cohort_fused``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from .._triton import INTERPRET, tl, triton, why_not_triton
 
-__all__ = ["PRECISIONS", "fused_forward", "why_not_fused"]
+__all__ = ["PRECISIONS", "fused_backward", "fused_forward", "why_not_fused"]
 
-#: ``tl.dot``'s input precisions this kernel accepts.
+#: ``tl.dot``'s input precisions these kernels accept.
 PRECISIONS = ("ieee", "tf32", "tf32x3")
-#: Edges a tile (the rows of each product, cos and sin separately).
+#: Edges a tile (cos and sin rows: twice as many rows a product).
 BLOCK_EDGES = 16
+#: Warps a program, and programs per SM (the persistent grid).
+NUM_WARPS = 4
+PER_SM = 1
+#: Software-pipelining depth of the inner product loop (Triton's ``num_stages``).
+NUM_STAGES = 3
 
 
 # --------------------------------------------------------------------------------------
-# the kernel
+# the kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _lin_chunk(src, PART, w, c, F: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
+def _dot_chunk(src, w, c, NIN: tl.constexpr, SO: tl.constexpr, SI: tl.constexpr,
+               R: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
                PREC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """Output chunk ``c`` of one order, cos and sin: ``sum_i src[:, i] W[c + o, i]``,
-    two ``(BE, BC)`` accumulators; ``src`` is the order's cos block (``BE`` rows of F),
-    the sin block ``PART`` values after it; ``w`` is that order's ``(out, F)``."""
-    r = tl.arange(0, BE)[:, None]
-    j = tl.arange(0, BC)[None, :]
-    ii = tl.arange(0, BC)[:, None]
-    acc_c = tl.zeros((BE, BC), DT)
-    acc_s = tl.zeros((BE, BC), DT)
-    for i in range(0, F, BC):
-        wt = tl.load(w + (c + j) * F + i + ii)  # (in, out): W[c + o, i + ii]
-        a_c = tl.load(src + r * F + i + j)
-        a_s = tl.load(src + PART + r * F + i + j)
-        acc_c = tl.dot(a_c, wt, acc_c, input_precision=PREC, out_dtype=DT)
-        acc_s = tl.dot(a_s, wt, acc_s, input_precision=PREC, out_dtype=DT)
-    return acc_c, acc_s
+    """Output chunk ``c`` (``BO`` wide) of a map: ``acc[r, o] = sum_i src[r, i]
+    A[c + o, i]`` for ``R`` rows of ``NIN`` values at ``src``, ``BI`` inputs a
+    product; ``A[o, i]`` is at ``w + o SO + i SI`` (``SO = NIN, SI = 1``: W itself;
+    ``SO = 1, SI = n_out``: its transpose)."""
+    r = tl.arange(0, R)[:, None]
+    ji = tl.arange(0, BI)[None, :]
+    jo = tl.arange(0, BO)[None, :]
+    ii = tl.arange(0, BI)[:, None]
+    acc = tl.zeros((R, BO), DT)
+    for i in range(0, NIN, BI):
+        a = tl.load(src + r * NIN + i + ji)
+        wt = tl.load(w + (c + jo) * SO + (i + ii) * SI)  # (in, out)
+        acc = tl.dot(a, wt, acc, input_precision=PREC, out_dtype=DT)
+    return acc
 
 
 @triton.jit(do_not_specialize=["E", "n_tiles"])
 def _stack_fwd_kernel(x_cos, x_sin, w_all, b_all, w_out, b_out, y_cos, y_sin, z, scr,
-                      gate, E, n_tiles, F: tl.constexpr, FO: tl.constexpr,
-                      NA: tl.constexpr, K: tl.constexpr,
-                      BE: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                      E, n_tiles, F: tl.constexpr, FO: tl.constexpr,
+                      NA: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
+                      CF: tl.constexpr, CO: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):  # fmt: skip
+    R: tl.constexpr = 2 * BE  # rows: BE cos, then BE sin
+    r = tl.arange(0, R)[:, None]
+    j = tl.arange(0, CF)[None, :]
+    jo = tl.arange(0, CO)[None, :]
+    cos = r < BE
+    part = (r // BE).to(tl.int64)
+    BUF: tl.constexpr = R * F
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    r = tl.arange(0, BE)[:, None]
-    j = tl.arange(0, BC)[None, :]
-    PART = NA * BE * F  # the sin half of a buffer
-    BUF = 2 * PART
-    mine = scr + pid.to(tl.int64) * (2 * BUF)
-    my_gate = gate + pid.to(tl.int64) * (BE * F)
+    mine = scr + pid.to(tl.int64) * (2 * BUF + K * BE * F)
+    gates = mine + 2 * BUF  # s_k = sigmoid(p_k), K rows of (BE, F)
     EFA = tl.cast(E, tl.int64) * (F * NA)  # one (E, F, n_ang) tensor
-    for t in range(pid, n_tiles, nprog):
-        e = tl.cast(t, tl.int64) * BE + r
+    for t in range(pid, n_tiles, tl.num_programs(0)):
+        e = tl.cast(t, tl.int64) * BE + r % BE
         ok = e < E
-        for m in tl.static_range(NA):  # x into buffer 0
-            for c in range(0, F, BC):
+        for m in tl.static_range(NA):  # m = 0 first: it makes the gates
+            for c in range(0, F, CF):  # x[m] into buffer 0
                 at = e * (F * NA) + (c + j) * NA + m
-                here = mine + m * (BE * F) + r * F + c + j
-                tl.store(here, tl.load(x_cos + at, mask=ok, other=0.0))
-                tl.store(here + PART, tl.load(x_sin + at, mask=ok, other=0.0))
-        tl.debug_barrier()
-        for k in tl.static_range(K):
-            src = mine + (k % 2) * BUF
-            dst = mine + ((k + 1) % 2) * BUF
-            for m in tl.static_range(NA):
-                for c in range(0, F, BC):
-                    w = w_all + (k * NA + m) * F * F
-                    acc_c, acc_s = _lin_chunk(
-                        src + m * (BE * F), PART, w, c, F, BE, BC, PREC, DT
-                    )
-                    if m == 0:
-                        acc_c += tl.load(b_all + k * F + c + j)
-                    at = 2 * k * EFA + e * (F * NA) + (c + j) * NA + m
-                    tl.store(z + at, acc_c, mask=ok)
-                    tl.store(z + EFA + at, acc_s, mask=ok)
-                    if m == 0:  # SiLU on p, the row's gate s = sigmoid(p) kept
-                        s = tl.sigmoid(acc_c)
-                        tl.store(my_gate + r * F + c + j, s)
-                        g_c = acc_c * s
-                        g_s = acc_s
-                    else:
-                        s = tl.load(my_gate + r * F + c + j)
-                        g_c = acc_c * s
-                        g_s = acc_s * s
-                    here = m * (BE * F) + r * F + c + j
-                    tl.store(dst + here, tl.load(src + here) + g_c)
-                    tl.store(dst + PART + here, tl.load(src + PART + here) + g_s)
-                if m == 0:
-                    tl.debug_barrier()  # the gate row, before the orders m >= 1
+                v = tl.load(x_cos + at, mask=ok & cos, other=0.0)
+                v += tl.load(x_sin + at, mask=ok & (r >= BE), other=0.0)
+                tl.store(mine + r * F + c + j, v)
             tl.debug_barrier()
-        src = mine + (K % 2) * BUF
-        for m in tl.static_range(NA):
-            for c in range(0, FO, BC):
-                acc_c, acc_s = _lin_chunk(
-                    src + m * (BE * F), PART, w_out + m * FO * F, c, F, BE, BC, PREC,
-                    DT,
-                )  # fmt: skip
+            for k in tl.static_range(K):
+                src = mine + (k % 2) * BUF
+                dst = mine + ((k + 1) % 2) * BUF
+                w = w_all + (k * NA + m) * F * F
+                for c in range(0, F, CF):
+                    acc = _dot_chunk(src, w, c, F, F, 1, R, CF, CF, PREC, DT)
+                    if m == 0:
+                        acc += tl.where(cos, tl.load(b_all + k * F + c + j), 0.0)
+                    at = (2 * k + part) * EFA + e * (F * NA) + (c + j) * NA + m
+                    tl.store(z + at, acc, mask=ok)
+                    s_at = gates + k * BE * F + (r % BE) * F + c + j
+                    if m == 0:  # SiLU on p (cos rows); the m = 0 sin rows pass
+                        s = tl.sigmoid(acc)
+                        tl.store(s_at, s, mask=cos)
+                        g = tl.where(cos, acc * s, acc)
+                    else:
+                        g = acc * tl.load(s_at)
+                    here = r * F + c + j
+                    tl.store(dst + here, tl.load(src + here) + g)
+                tl.debug_barrier()
+            src = mine + (K % 2) * BUF
+            for c in range(0, FO, CO):
+                acc = _dot_chunk(src, w_out + m * FO * F, c, F, F, 1, R, CO, CF, PREC,
+                                 DT)  # fmt: skip
                 if m == 0:
-                    acc_c += tl.load(b_out + c + j)
-                at = e * (FO * NA) + (c + j) * NA + m
-                tl.store(y_cos + at, acc_c, mask=ok)
-                tl.store(y_sin + at, acc_s, mask=ok)
-        tl.debug_barrier()  # the next tile overwrites the buffers
+                    acc += tl.where(cos, tl.load(b_out + c + jo), 0.0)
+                at = e * (FO * NA) + (c + jo) * NA + m
+                tl.store(y_cos + at, acc, mask=ok & cos)
+                tl.store(y_sin + at, acc, mask=ok & (r >= BE))
+            tl.debug_barrier()  # the next order overwrites the buffers
+
+
+@triton.jit(do_not_specialize=["E", "n_tiles"])
+def _stack_bwd_kernel(g_cos, g_sin, z, w_all, w_out, dx_cos, dx_sin, scr, E, n_tiles,
+                      F: tl.constexpr, FO: tl.constexpr, NA: tl.constexpr,
+                      K: tl.constexpr, BE: tl.constexpr, CF: tl.constexpr,
+                      CO: tl.constexpr, PREC: tl.constexpr,
+                      DT: tl.constexpr):  # fmt: skip
+    R: tl.constexpr = 2 * BE
+    r = tl.arange(0, R)[:, None]
+    j = tl.arange(0, CF)[None, :]
+    jo = tl.arange(0, CO)[None, :]
+    cos = r < BE
+    part = (r // BE).to(tl.int64)
+    pid = tl.program_id(0)
+    du_buf = scr + pid.to(tl.int64) * (R * (2 * F + FO + K * F))
+    dz_buf = du_buf + R * F
+    g_buf = dz_buf + R * F
+    t_buf = g_buf + R * FO  # sum_(m>=1) du_m z_m, K blocks of (R, F)
+    EFA = tl.cast(E, tl.int64) * (F * NA)
+    for t in range(pid, n_tiles, tl.num_programs(0)):
+        e = tl.cast(t, tl.int64) * BE + r % BE
+        ok = e < E
+        for mi in tl.static_range(NA):
+            m = (mi + 1) % NA  # m = 1 .. n_ang - 1, then 0 (a constexpr)
+            for c in range(0, FO, CO):  # dy[m] in
+                at = e * (FO * NA) + (c + jo) * NA + m
+                v = tl.load(g_cos + at, mask=ok & cos, other=0.0)
+                v += tl.load(g_sin + at, mask=ok & (r >= BE), other=0.0)
+                tl.store(g_buf + r * FO + c + jo, v)
+            tl.debug_barrier()
+            for c in range(0, F, CF):  # du_K = W_out^T dy
+                acc = _dot_chunk(g_buf, w_out + m * FO * F, c, FO, 1, F, R, CF, CO,
+                                 PREC, DT)  # fmt: skip
+                tl.store(du_buf + r * F + c + j, acc)
+            tl.debug_barrier()
+            for kk in tl.static_range(K):
+                k = K - 1 - kk
+                for c in range(0, F, CF):  # dz_k = gate'(z_k) du_k
+                    here = r * F + c + j
+                    du = tl.load(du_buf + here)
+                    at = e * (F * NA) + (c + j) * NA
+                    p = tl.load(z + 2 * k * EFA + at, mask=ok, other=0.0)  # cos, m = 0
+                    s = tl.sigmoid(p)
+                    t_at = t_buf + k * R * F + here
+                    if m == 0:
+                        if NA > 1:
+                            sin_t = tl.load(t_at + BE * F, mask=cos, other=0.0)
+                            tt = tl.load(t_at) + sin_t
+                        else:
+                            tt = 0.0
+                        dz = tl.where(cos, du * s + (du * p + tt) * (s * (1 - s)), du)
+                    else:
+                        at_m = (2 * k + part) * EFA + at + m
+                        zm = tl.load(z + at_m, mask=ok, other=0.0)
+                        dz = du * s
+                        if m == 1:
+                            tl.store(t_at, du * zm)
+                        else:
+                            tl.store(t_at, tl.load(t_at) + du * zm)
+                    tl.store(dz_buf + here, dz)
+                tl.debug_barrier()
+                w = w_all + (k * NA + m) * F * F
+                for c in range(0, F, CF):  # du_(k-1) = du_k + W_k^T dz_k, in place
+                    acc = _dot_chunk(dz_buf, w, c, F, 1, F, R, CF, CF, PREC, DT)
+                    here = r * F + c + j
+                    tl.store(du_buf + here, tl.load(du_buf + here) + acc)
+                tl.debug_barrier()
+            for c in range(0, F, CF):  # dx[m] = du_0 out
+                v = tl.load(du_buf + r * F + c + j)
+                at = e * (F * NA) + (c + j) * NA + m
+                tl.store(dx_cos + at, v, mask=ok & cos)
+                tl.store(dx_sin + at, v, mask=ok & (r >= BE))
+            tl.debug_barrier()  # the next order overwrites the buffers
 
 
 # --------------------------------------------------------------------------------------
-# the launcher
+# the launchers
 # --------------------------------------------------------------------------------------
-def _chunk(F: int, FO: int) -> int:
-    """The feature chunk: the largest power of two up to 64 dividing F and F'."""
-    g = math.gcd(F, FO)
-    return min(64, g & -g)
+def _chunk(n: int) -> int:
+    """A feature chunk: the largest power of two up to 64 dividing n."""
+    return min(64, n & -n)
 
 
 def why_not_fused(x_cos, weights, weight_out, precision: str) -> str | None:
-    """Why the kernel cannot serve a call, or None."""
+    """Why the kernels cannot serve a call, or None."""
     why = why_not_triton(x_cos.device.type)
     if why:
         return why
@@ -163,15 +238,30 @@ def why_not_fused(x_cos, weights, weight_out, precision: str) -> str | None:
     if x_cos.dtype == torch.float64 and precision != "ieee":
         return f"float64 takes precision 'ieee', not {precision!r}"
     n_ang, FO, F = weight_out.shape
-    if _chunk(F, FO) < 16:
-        return f"F = {F} and F' = {FO} need a common power-of-two factor of 16"
+    if min(_chunk(F), _chunk(FO)) < 16:
+        return f"F = {F} and F' = {FO} must be multiples of 16"
     return None
 
 
+def _grid(n_tiles: int, dev, per_sm: int) -> int:
+    """Persistent programs: ``per_sm`` per SM (4 in the interpreter), at most a tile
+    each."""
+    if INTERPRET or dev.type != "cuda":
+        return min(n_tiles, 4)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return min(n_tiles, sms * per_sm)
+
+
+def _dtypes(dt):
+    return tl.float64 if dt == torch.float64 else tl.float32
+
+
 def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
-                  precision: str = "ieee"):  # fmt: skip
-    """``(y_cos, y_sin, [z_1 cos, z_1 sin, ..., z_K cos, z_K sin])`` of the stack on
-    rows ``(E, F, n_ang)`` (made contiguous); the caller checks
+                  precision: str = "ieee", block_edges: int = BLOCK_EDGES,
+                  num_warps: int = NUM_WARPS, per_sm: int = PER_SM,
+                  num_stages: int = NUM_STAGES):  # fmt: skip
+    """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (made contiguous),
+    ``z (K, 2, E, F, n_ang)`` the pre-activations; the caller checks
     :func:`why_not_fused` first."""
     n_ang, FO, F = weight_out.shape
     E, K, dev, dt = x_cos.shape[0], len(weights), x_cos.device, x_cos.dtype
@@ -184,20 +274,43 @@ def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     y_cos = xc.new_empty((E, FO, n_ang))
     y_sin = torch.empty_like(y_cos)
     z = xc.new_empty((K, 2, E, F, n_ang))
-    BE, BC = BLOCK_EDGES, _chunk(F, FO)
+    BE = block_edges
     n_tiles = triton.cdiv(E, BE)
     if n_tiles:
-        sms = 4 if INTERPRET or dev.type != "cuda" else (
-            torch.cuda.get_device_properties(dev).multi_processor_count
-        )  # fmt: skip
-        nprog = min(n_tiles, sms)
-        scr = xc.new_empty(nprog * 4 * n_ang * BE * F)
-        gate = xc.new_empty(nprog * BE * F)
-        w_o = weight_out.to(dt).contiguous()
+        nprog = _grid(n_tiles, dev, per_sm)
+        scr = xc.new_empty(nprog * (4 + K) * BE * F)
         _stack_fwd_kernel[(nprog,)](
-            xc, xs, w_all.contiguous(), b_all.contiguous(), w_o, b_out, y_cos, y_sin,
-            z, scr, gate, E, n_tiles, F, FO, NA=n_ang, K=K, BE=BE, BC=BC,
-            PREC=precision, DT=tl.float64 if dt == torch.float64 else tl.float32,
+            xc, xs, w_all.contiguous(), b_all.contiguous(),
+            weight_out.to(dt).contiguous(), b_out, y_cos, y_sin, z, scr, E, n_tiles,
+            F, FO, NA=n_ang, K=K, BE=BE, CF=_chunk(F), CO=_chunk(FO), PREC=precision,
+            DT=_dtypes(dt),
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
-    zs = [z[k, p] for k in range(K) for p in range(2)]
-    return y_cos, y_sin, zs
+    return y_cos, y_sin, z
+
+
+def fused_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
+                   block_edges: int = BLOCK_EDGES, num_warps: int = NUM_WARPS,
+                   per_sm: int = PER_SM, num_stages: int = NUM_STAGES):  # fmt: skip
+    """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
+    gradient ``g (E, F', n_ang)``, from the pre-activations ``z`` that
+    :func:`fused_forward` wrote (no parameter gradients)."""
+    n_ang, FO, F = weight_out.shape
+    K, E, dev, dt = z.shape[0], g_cos.shape[0], g_cos.device, z.dtype
+    gc, gs = g_cos.to(dt).contiguous(), g_sin.to(dt).contiguous()
+    w_all = torch.stack([w.to(dt) for w in weights]) if K else gc.new_zeros(1)
+    dx_cos = gc.new_empty((E, F, n_ang))
+    dx_sin = torch.empty_like(dx_cos)
+    BE = block_edges
+    n_tiles = triton.cdiv(E, BE)
+    if n_tiles:
+        nprog = _grid(n_tiles, dev, per_sm)
+        scr = gc.new_empty(nprog * 2 * BE * (2 * F + FO + K * F))
+        _stack_bwd_kernel[(nprog,)](
+            gc, gs, z.contiguous(), w_all.contiguous(),
+            weight_out.to(dt).contiguous(), dx_cos, dx_sin, scr, E, n_tiles, F, FO,
+            NA=n_ang, K=K, BE=BE, CF=_chunk(F), CO=_chunk(FO), PREC=precision,
+            DT=_dtypes(dt),
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    return dx_cos, dx_sin
