@@ -233,7 +233,8 @@ NCU_COLUMNS = {
     "dram__bytes_write.sum": "dram_write",
 }
 #: Counters kept as plain numbers (where a capture has them): shared-memory bank
-#: conflicts and wavefronts, instructions issued and FMA instructions executed.
+#: conflicts and wavefronts, instructions issued and FMA instructions executed,
+#: registers per thread.
 NCU_COUNTS = {
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_ld_conflicts",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem_st_conflicts",
@@ -245,6 +246,7 @@ NCU_COUNTS = {
     "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": "ld_requests",
     "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": "st_sectors",
     "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum": "st_requests",
+    "launch__registers_per_thread": "registers",
 }
 
 

@@ -20,7 +20,9 @@ every earlier chapter's fast path on (the library's defaults):
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
-  energy drift per atom.
+  energy drift per atom;
+* ``ncu`` -> ncu_fused.csv: Nsight Compute on the fused forward and force backward
+  at each precision (the 4096-atom box's edge count).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import torch
 
 from .. import bench, options
 from ..cohorts import COHORT_EDGES
-from .common import book_config, device, free, parse_parts, run_parts
+from .common import book_config, device, free, parse_parts, run_ncu, run_parts
 
 __all__ = ["capture"]
 
-PARTS = ("stack", "steps", "memory", "precision")
+PARTS = ("stack", "steps", "memory", "precision", "ncu")
 #: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
 COHORTS = (
     ("plain", None, None),
@@ -52,7 +54,7 @@ def capture(
     out: Path,
     quick: bool = False,
     ncu: bool = True,
-    parts: str = "stack,steps,memory,precision",
+    parts: str = "stack,steps,memory,precision,ncu",
     boxes: str | None = None,
 ) -> dict:
     """Chapter 6 (module docstring). On a CPU, ``stack`` runs at a tiny size as a
@@ -67,9 +69,17 @@ def capture(
         ("steps", lambda: _steps(out, reps)),
         ("memory", lambda: _memory(out, boxes_[:2] if quick else boxes_)),
         ("precision", lambda: _precision(out)),
+        ("ncu", lambda: _ncu(out) if ncu else "ncu not asked for"),
     )
-    run_parts(parts_, todo, info, dev, gpu_only=("steps", "memory", "precision"))
+    gpu_only = ("steps", "memory", "precision", "ncu")
+    run_parts(parts_, todo, info, dev, gpu_only=gpu_only)
     return info
+
+
+def _ncu(out: Path) -> str:
+    """Nsight Compute on the fused stack's forward and force backward at each
+    precision (:func:`ecekern.captures.targets.cohorts_fused`)."""
+    return run_ncu("cohorts_fused", out / "ncu_fused.csv")
 
 
 def _stack(out: Path, reps: list[int], dev: str) -> str:

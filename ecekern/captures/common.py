@@ -64,6 +64,7 @@ NCU_COUNTERS = [
     "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
     "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
     "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum",
+    "launch__registers_per_thread",
 ]
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"

@@ -53,11 +53,14 @@ __all__ = ["PRECISIONS", "fused_backward", "fused_forward", "why_not_fused"]
 
 #: ``tl.dot``'s input precisions these kernels accept.
 PRECISIONS = ("ieee", "tf32", "tf32x3")
-#: Edges a tile (cos and sin rows: twice as many rows a product).
-BLOCK_EDGES = 16
-#: Warps a program, and programs per SM (the persistent grid).
+#: Edges a tile (cos and sin rows: twice as many rows a product), forward and
+#: backward: the fastest of 16 and 32 on the H200 for tf32x3 (chapter 6's sweep).
+BLOCK_EDGES = 32
+BLOCK_EDGES_BWD = 16
+#: Warps a program, and programs per SM (the persistent grid: at 255 registers a
+#: thread, two programs of four warps are what an SM holds).
 NUM_WARPS = 4
-PER_SM = 1
+PER_SM = 2
 #: Software-pipelining depth of the inner product loop (Triton's ``num_stages``).
 NUM_STAGES = 3
 
@@ -290,7 +293,7 @@ def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
 
 
 def fused_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
-                   block_edges: int = BLOCK_EDGES, num_warps: int = NUM_WARPS,
+                   block_edges: int = BLOCK_EDGES_BWD, num_warps: int = NUM_WARPS,
                    per_sm: int = PER_SM, num_stages: int = NUM_STAGES):  # fmt: skip
     """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
     gradient ``g (E, F', n_ang)``, from the pre-activations ``z`` that
