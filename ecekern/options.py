@@ -64,10 +64,11 @@ class Options:
         cohort_recompute: with ``cohorts``, keep only the stack's input and recompute
             its forward in the backward (the least memory); False keeps the
             pre-activations too, and a force step's backward runs no linear twice.
-        cohort_fused: with ``cohorts``, the stack's forward by the fused kernel
-            (:func:`ecekern.cohorts.fused.fused_forward`) at a ``tl.dot``
-            precision: ``"ieee"`` (strict fp32), ``"tf32"``, ``"tf32x3"``;
-            ``"off"`` (the default: the kernel is not yet measured on a GPU) runs
+        cohort_fused: with ``cohorts``, the stack's forward and force backward by
+            the fused kernels (:func:`ecekern.cohorts.fused.fused_forward`,
+            :func:`~ecekern.cohorts.fused.fused_backward`) at a ``tl.dot`` precision:
+            ``"ieee"`` (strict fp32), ``"tf32"``, ``"tf32x3"``; ``"off"`` (the default:
+            on the H200 the kernels are no faster than the linears, chapter 6) runs
             the linears.
     """
 

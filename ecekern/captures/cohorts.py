@@ -5,7 +5,7 @@ every earlier chapter's fast path on (the library's defaults):
 
 * ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
   backward) at the 512- and 4096-atom boxes' edge counts, plain, in cohorts
-  (:data:`COHORTS`) and with the fused forward (:data:`FUSED`): time (ms) and the
+  (:data:`COHORTS`) and with the fused kernels (:data:`FUSED`): time (ms) and the
   peak memory above the inputs (MiB);
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
@@ -15,14 +15,14 @@ every earlier chapter's fast path on (the library's defaults):
   plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
   diamond repeats), and the largest box that ran (an out-of-memory is a row, not
   the end of the run);
-* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the fused forward's tf32x3
+* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the fused kernels' tf32x3
   and tf32 against fp64 (same weights)
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
   energy drift per atom;
 * ``ncu`` -> ncu_fused.csv: Nsight Compute on the fused forward and force backward
-  at each precision (the 4096-atom box's edge count).
+  kernels at each precision (the 4096-atom box's edge count).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
-#: The fused forward's rows of the ``stack`` part: (label, tl.dot precision).
+#: The fused kernels' rows of the ``stack`` part: (label, tl.dot precision).
 FUSED = (("fused ieee", "ieee"), ("fused tf32x3", "tf32x3"), ("fused tf32", "tf32"))
 
 
