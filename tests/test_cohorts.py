@@ -1,15 +1,19 @@
-"""Chapter 6: the mixing stack in cohorts and its fused forward (ecekern.cohorts).
+"""Chapter 6: the mixing stack in cohorts and its fused kernels (ecekern.cohorts).
 
 Three ways where the arithmetic differs (float32 against float64); to about 1e-12 in
 float64, where the arithmetic is the reference's in another order of rows."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import ecekern
 from ecekern import cohorts, options, reference
+from ecekern._triton import AVAILABLE as TRITON_AVAILABLE
 from ecekern.cohorts import fused as fused_mod
 from ecekern.model import force_step, prepare_inputs
 from ecekern.testing import assert_close_three_way, rel_err
@@ -387,6 +391,54 @@ def test_fused_float32_against_float64(precision):
             assert rel_err(out.double(), r64) < 1e-2
         else:
             assert_close_three_way(out, r32, r64, f"fused stack, {precision}")
+
+
+@needs_triton
+def test_fused_weight_gradients_take_the_cohort_recomputation():
+    """With the fused forward, a backward that asks for the weights' gradients too
+    recomputes cohorts (the kernels make none): equal to the reference in float64."""
+    x, ws, bs, wo, bo = _stack_args(40, F=32, Fo=16, n_ang=2, K=1)
+    params = [*x, *ws, *bs, wo, bo]
+
+    def grads(fn):
+        y = fn(*x, ws, bs, wo, bo)
+        g = torch.Generator().manual_seed(5)
+        gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+        return torch.autograd.grad(y, params, gy)
+
+    got = grads(functools.partial(cohorts.mixing_stack, fused="ieee", cohort_edges=16))
+    for a, b in zip(got, grads(reference.mixing_stack), strict=True):
+        assert rel_err(a, b) < 1e-12
+
+
+_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ecekern.cohorts import fused
+for kernel in (fused._stack_fwd_kernel, fused._stack_bwd_kernel):
+    names = kernel.arg_names
+    c = dict(F=64, FO=32, NA=3, K=2, BE=16, CF=64, CO=32, PREC="tf32x3",
+             DT=tl.float32)
+    sig = {n: "constexpr" if n in c else "i32" if n in ("E", "n_tiles") else "*fp32"
+           for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in c.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_fused_kernels_compile_for_hopper():
+    """The interpreter runs code that the compiler rejects (a constexpr assigned in
+    an unrolled loop did): both kernels compile for sm_90 here, without a GPU, in a
+    process where the interpreter is off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
 
 
 def test_fused_cannot_serve_falls_back_loudly():
