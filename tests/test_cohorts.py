@@ -450,7 +450,7 @@ def test_fused_cannot_serve_falls_back_loudly():
         y = cohorts.mixing_stack(*x, *args, fused="ieee")
     assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
     x, *args = _fused_args(9, 1, 2, True)
-    for bad in ("bf16", "tf32"):  # unknown; and TF32 for float64 inputs
+    for bad in ("bf16", "tf32", ["ieee"]):  # unknown; TF32 for float64; not a str
         with pytest.warns(options.FallbackWarning, match="precision"):
             cohorts.mixing_stack(*x, *args, fused=bad)
     with pytest.raises(ValueError, match="recompute"):

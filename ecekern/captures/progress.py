@@ -47,39 +47,31 @@ from .stages import stage_times
 
 __all__ = ["OURS", "REPLAYED", "capture"]
 
+#: Each chapter's switches, in order: a row runs with its own and every earlier one's.
+CHAPTER_SWITCHES = (
+    ("+ ch2 linear", dict(linear="auto", edge_frame="reference", zonal="reference",
+                          cohorts=False)),
+    ("+ ch3 edge_frame", dict(edge_frame="packed")),
+    ("+ ch4 graph_step", {}),  # the step replayed as a CUDA graph (REPLAYED)
+    ("+ ch5 zonal", dict(zonal="fused")),
+    ("+ ch6 cohorts", dict(cohorts=True)),
+)  # fmt: skip
+
+
+def _cumulative(switches) -> dict:
+    """``{label: options}``, each row's options the union of its chapter's switches
+    and every earlier chapter's (a later switch overrides an earlier one)."""
+    rows, now = {}, {}
+    for label, switch in switches:
+        now = {**now, **switch}
+        rows[label] = dict(now)
+    return rows
+
+
 #: Our rows: label -> the options they run under (``{}``: the library's defaults).
 OURS = {
     "reference": {"reference": True},
-    "+ ch2 linear": {
-        "linear": "auto",
-        "edge_frame": "reference",
-        "zonal": "reference",
-        "cohorts": False,
-    },
-    "+ ch3 edge_frame": {
-        "linear": "auto",
-        "edge_frame": "packed",
-        "zonal": "reference",
-        "cohorts": False,
-    },
-    "+ ch4 graph_step": {
-        "linear": "auto",
-        "edge_frame": "packed",
-        "zonal": "reference",
-        "cohorts": False,
-    },
-    "+ ch5 zonal": {
-        "linear": "auto",
-        "edge_frame": "packed",
-        "zonal": "fused",
-        "cohorts": False,
-    },
-    "+ ch6 cohorts": {
-        "linear": "auto",
-        "edge_frame": "packed",
-        "zonal": "fused",
-        "cohorts": True,
-    },
+    **_cumulative(CHAPTER_SWITCHES),
     "library defaults": {},
 }
 #: The rows whose step is replayed as a CUDA graph (chapter 4 and after).

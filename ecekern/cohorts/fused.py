@@ -47,6 +47,8 @@ operands from L2) and no faster than the separate linears; off by default (optio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._triton import INTERPRET, tl, triton, why_not_triton
@@ -232,17 +234,25 @@ def _chunk(n: int) -> int:
 
 
 def why_not_fused(x_cos, weights, weight_out, precision: str) -> str | None:
-    """Why the kernels cannot serve a call, or None."""
-    why = why_not_triton(x_cos.device.type)
+    """Why the kernels cannot serve a call, or None (resolved once per device type,
+    dtype, precision and widths, then cached)."""
+    if not isinstance(precision, str):
+        return f"precision {precision!r} is not one of {PRECISIONS}"
+    n_ang, FO, F = weight_out.shape
+    return _why_not(x_cos.device.type, x_cos.dtype, precision, F, FO)
+
+
+@functools.lru_cache(maxsize=64)
+def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
+    why = why_not_triton(device_type)
     if why:
         return why
-    if x_cos.dtype not in (torch.float32, torch.float64):
-        return f"dtype {x_cos.dtype} (float32 and float64 only)"
+    if dtype not in (torch.float32, torch.float64):
+        return f"dtype {dtype} (float32 and float64 only)"
     if precision not in PRECISIONS:
         return f"precision {precision!r} is not one of {PRECISIONS}"
-    if x_cos.dtype == torch.float64 and precision != "ieee":
+    if dtype == torch.float64 and precision != "ieee":
         return f"float64 takes precision 'ieee', not {precision!r}"
-    n_ang, FO, F = weight_out.shape
     if min(_chunk(F), _chunk(FO)) < 16:
         return f"F = {F} and F' = {FO} must be multiples of 16"
     return None
