@@ -441,6 +441,30 @@ def test_fused_kernels_compile_for_hopper():
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+def test_fused_kernels_reject_bad_shapes_before_launch():
+    """The launchers check every shape a kernel indexes by: a mismatch is a clear
+    ValueError, never an out-of-bounds read."""
+    x, ws, bs, wo, bo = _fused_args(5, 2, 3, True)
+    xc, xs = (t.detach() for t in x)
+    z = torch.zeros(2, 2, 5, 32, 3, dtype=torch.float64)
+    gc, gs = (torch.zeros(5, 16, 3, dtype=torch.float64) for _ in range(2))
+    fwd, bwd = fused_mod.fused_forward, fused_mod.fused_backward
+    cases = [
+        (lambda: fwd(xc[:, :16], xs, ws, bs, wo, bo), "x_cos"),
+        (lambda: fwd(xc, xs[:4], ws, bs, wo, bo), "x_sin"),
+        (lambda: fwd(xc, xs, [ws[0], ws[1][:2]], bs, wo, bo), "weights"),
+        (lambda: fwd(xc, xs, ws, bs[:1], wo, bo), "biases"),
+        (lambda: fwd(xc, xs, ws, bs, wo, bo[:3]), "bias"),
+        (lambda: bwd(z[:, :, :4], gc, gs, ws, wo), "z"),
+        (lambda: bwd(z, gc, gs[:, :8], ws, wo), "g_sin"),
+        (lambda: bwd(z, gc, gs, ws[:1], wo), "weights"),
+        (lambda: bwd(z, gc, gs, ws, wo[:, :8]), "g_cos"),  # F' differs from dy's
+    ]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def test_fused_cannot_serve_falls_back_loudly():
     """A shape, dtype or precision the kernel cannot serve runs the linears instead,
     with a FallbackWarning; fused with recompute is an error."""

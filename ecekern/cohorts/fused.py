@@ -271,6 +271,20 @@ def _dtypes(dt):
     return tl.float64 if dt == torch.float64 else tl.float32
 
 
+def _check(name: str, t, shape: tuple, device) -> None:
+    """A clear error where a shape or device would send a kernel out of bounds."""
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} is {tuple(t.shape)}, expected {shape}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the rows on {device}")
+
+
+def _check_weights(weights, weight_out, n_ang, F, FO, device) -> None:
+    for k, w in enumerate(weights):
+        _check(f"weights[{k}]", w, (n_ang, F, F), device)
+    _check("weight_out", weight_out, (n_ang, FO, F), device)
+
+
 def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
                   precision: str = "ieee", block_edges: int = BLOCK_EDGES,
                   num_warps: int = NUM_WARPS, per_sm: int = PER_SM,
@@ -280,6 +294,14 @@ def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     :func:`why_not_fused` first."""
     n_ang, FO, F = weight_out.shape
     E, K, dev, dt = x_cos.shape[0], len(weights), x_cos.device, x_cos.dtype
+    _check("x_cos", x_cos, (E, F, n_ang), dev)
+    _check("x_sin", x_sin, (E, F, n_ang), dev)
+    _check_weights(weights, weight_out, n_ang, F, FO, dev)
+    if len(biases) != K:
+        raise ValueError(f"{len(biases)} biases for {K} weights")
+    for k, b in enumerate([*biases, bias_out]):
+        if b is not None:
+            _check(f"bias {k}", b, (F if k < K else FO,), dev)
     xc, xs = x_cos.contiguous(), x_sin.contiguous()
     w_all = torch.stack([w.to(dt) for w in weights]) if K else xc.new_zeros(1)
     b_all = torch.stack(
@@ -312,6 +334,12 @@ def fused_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     :func:`fused_forward` wrote (no parameter gradients)."""
     n_ang, FO, F = weight_out.shape
     K, E, dev, dt = z.shape[0], g_cos.shape[0], g_cos.device, z.dtype
+    if len(weights) != K:
+        raise ValueError(f"z holds {K} layers' pre-activations, {len(weights)} weights")
+    _check("z", z, (K, 2, E, F, n_ang), dev)
+    _check("g_cos", g_cos, (E, FO, n_ang), dev)
+    _check("g_sin", g_sin, (E, FO, n_ang), dev)
+    _check_weights(weights, weight_out, n_ang, F, FO, dev)
     gc, gs = g_cos.to(dt).contiguous(), g_sin.to(dt).contiguous()
     w_all = torch.stack([w.to(dt) for w in weights]) if K else gc.new_zeros(1)
     dx_cos = gc.new_empty((E, F, n_ang))
