@@ -95,6 +95,11 @@ class Options:
             raise ValueError(
                 f"cohort_fused must be one of {COHORT_FUSED}, got {self.cohort_fused!r}"
             )
+        if self.cohort_fused != "off" and self.cohort_recompute:
+            raise ValueError(
+                "cohort_fused keeps the pre-activations: it needs "
+                "cohort_recompute=False"
+            )
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
                 f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"

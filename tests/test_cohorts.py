@@ -206,8 +206,25 @@ def test_bad_inputs():
         cohorts.mixing_stack(*x, weights, biases[:1], w_out, b_out)
     with pytest.raises(ValueError, match="differ"):
         cohorts.mixing_stack(x[0], x[1][:2], weights, biases, w_out, b_out)
-    with pytest.raises(ValueError):  # a weight of the wrong width: the linear says so
+    with pytest.raises(ValueError, match="weights"):  # a weight of the wrong width
         cohorts.mixing_stack(*x, [weights[0][:, :3]] * 2, biases, w_out, b_out)
+    for w_bad in (w_out[0], None, w_out[:, :, :3]):  # 2-D, missing, the wrong F
+        with pytest.raises(ValueError, match="weight_out"):
+            cohorts.mixing_stack(*x, weights, biases, w_bad, b_out)
+    with pytest.raises(TypeError, match="recompute"):
+        cohorts.mixing_stack(*x, weights, biases, w_out, b_out, recompute="no")
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_without_autograd_nothing_is_kept(mode):
+    """Under no_grad or inference_mode (weights that require grad included) the
+    stack is the plain forward, equal to the reference."""
+    x, weights, biases, w_out, b_out = _stack_args(9)
+    with mode():
+        y = cohorts.mixing_stack(*x, weights, biases, w_out, b_out, cohort_edges=4)
+        ref = reference.mixing_stack(*x, weights, biases, w_out, b_out)
+    assert all(t.grad_fn is None for t in y)
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
 
 
 @pytest.mark.parametrize("sizes", [(37, 8193, 16385)])
@@ -309,6 +326,8 @@ def test_cohort_edges_option(monkeypatch):
         options.Options(cohort_edges=True)
     with pytest.raises(ValueError, match="cohort_fused"):
         options.Options(cohort_fused="bf16")
+    with pytest.raises(ValueError, match="cohort_recompute=False"):
+        options.Options(cohort_fused="ieee", cohort_recompute=True)
     seen = []
     real = cohorts.mixing_stack
 
@@ -441,6 +460,7 @@ def test_fused_kernels_compile_for_hopper():
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@needs_triton
 def test_fused_kernels_reject_bad_shapes_before_launch():
     """The launchers check every shape a kernel indexes by: a mismatch is a clear
     ValueError, never an out-of-bounds read."""
@@ -458,11 +478,16 @@ def test_fused_kernels_reject_bad_shapes_before_launch():
         (lambda: bwd(z[:, :, :4], gc, gs, ws, wo), "z"),
         (lambda: bwd(z, gc, gs[:, :8], ws, wo), "g_sin"),
         (lambda: bwd(z, gc, gs, ws[:1], wo), "weights"),
-        (lambda: bwd(z, gc, gs, ws, wo[:, :8]), "g_cos"),  # F' differs from dy's
+        (lambda: bwd(z, gc, gs, ws, torch.zeros_like(wo).repeat(1, 2, 1)), "g_cos"),
+        (lambda: fwd(xc, xs, ws, bs, wo[:, :8], bo), "multiples of 16"),
+        (lambda: fwd(xc, xs, ws, bs, wo[0], bo), "weight_out"),
+        (lambda: fwd(xc, xs, ws, bs, wo, bo, "tf32"), "float64 takes"),
     ]
     for call, name in cases:
         with pytest.raises(ValueError, match=name):
             call()
+    with pytest.raises(TypeError, match="dtype"):  # the linears' rule: no casts
+        bwd(z, gc, gs, ws, wo.float())
 
 
 def test_fused_cannot_serve_falls_back_loudly():
@@ -474,8 +499,10 @@ def test_fused_cannot_serve_falls_back_loudly():
         y = cohorts.mixing_stack(*x, *args, fused="ieee")
     assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
     x, *args = _fused_args(9, 1, 2, True)
-    for bad in ("bf16", "tf32", ["ieee"]):  # unknown; TF32 for float64; not a str
-        with pytest.warns(options.FallbackWarning, match="precision"):
+    with pytest.warns(options.FallbackWarning, match="precision"):  # float64
+        cohorts.mixing_stack(*x, *args, fused="tf32")
+    for bad in ("bf16", "IEEE", "off", "", True, ["ieee"]):  # not a precision
+        with pytest.raises(ValueError, match="fused must be"):
             cohorts.mixing_stack(*x, *args, fused=bad)
     with pytest.raises(ValueError, match="recompute"):
         cohorts.mixing_stack(*x, *args, fused="ieee", recompute=True)

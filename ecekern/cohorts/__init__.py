@@ -260,7 +260,9 @@ def mixing_stack(
         weight_out, bias_out: the output layer's ``(n_ang, F', F)``, ``(F',)`` or None.
         linear: the EquivariantLinear implementation, ``linear(x_cos, x_sin, weight,
             bias)`` (default: the reference's einsum).
-        cohort_edges: rows per cohort, a positive int.
+        cohort_edges: rows per cohort, a positive int (with ``fused``, the kernels
+            take every row, a tile at a time; the cohorts are those of a backward
+            that asks for parameter gradients).
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
@@ -268,8 +270,9 @@ def mixing_stack(
             kernels, :func:`ecekern.cohorts.fused.fused_forward` and
             :func:`~ecekern.cohorts.fused.fused_backward`, at this ``tl.dot``
             precision (``"ieee"``, ``"tf32"``, ``"tf32x3"``); they keep the
-            pre-activations, so they need ``recompute=False``. A call it cannot
-            serve falls back, loudly, to ``linear``.
+            pre-activations, so they need ``recompute=False``. A call they cannot
+            serve (device, dtype, widths) falls back, loudly, to ``linear``; a
+            precision not in that list is a ValueError.
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
@@ -280,6 +283,14 @@ def mixing_stack(
         raise TypeError(f"cohort_edges must be an int, got {cohort_edges!r}")
     if cohort_edges < 1:
         raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    if fused is not None and (
+        not isinstance(fused, str) or fused not in _fused.PRECISIONS
+    ):
+        raise ValueError(
+            f"fused must be None or one of {_fused.PRECISIONS}, got {fused!r}"
+        )
     if len(weights) != len(biases):
         raise ValueError(
             f"{len(weights)} weights but {len(biases)} biases: one bias (or None) "
@@ -292,6 +303,17 @@ def mixing_stack(
         raise ValueError(
             f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
         )
+    n_ang, F = x_cos.shape[-1], x_cos.shape[-2]
+    for name, w, rows in [*((f"weights[{k}]", w, F) for k, w in enumerate(weights)),
+                          ("weight_out", weight_out, None)]:  # fmt: skip
+        if not isinstance(w, torch.Tensor) or w.ndim != 3:
+            raise ValueError(
+                f"{name} must be an (n_ang, rows, F) tensor, got {w!r:.60}"
+            )
+        if w.shape[0] != n_ang or w.shape[2] != F or rows not in (None, w.shape[1]):
+            raise ValueError(
+                f"{name} is {tuple(w.shape)}, the rows' F = {F}, n_ang = {n_ang}"
+            )
     linear = linear or reference.equivariant_linear
     if torch.compiler.is_compiling():
         return reference.mixing_stack(
@@ -310,6 +332,13 @@ def mixing_stack(
         if why:
             options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
             fused = None
+    if not torch.is_grad_enabled():  # no_grad, inference_mode: nothing to keep
+        y_cos, y_sin, *_ = _forward(
+            xc, xs, params, len(weights), linear, int(cohort_edges), False, fused
+        )
+        return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
+            *lead, *y_sin.shape[1:]
+        )
     y_cos, y_sin = _CohortStack.apply(
         xc,
         xs,

@@ -34,7 +34,9 @@ dx out, the same count; the weights, ``(K F + F') F n_ang`` values, once into L2
 FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way.
 
 Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
-(Triton's three-pass TF32, fp32-accurate) for float32 inputs.
+(Triton's three-pass TF32, fp32-accurate) for float32 inputs. Triton's CPU
+interpreter computes every precision in full fp32 (fp64), so only a GPU shows TF32's
+rounding.
 
 Gradients: these are the gradients (the backward kernel); no parameter gradients
 (:func:`ecekern.cohorts.mixing_stack` computes those by recomputing cohorts).
@@ -254,7 +256,7 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
     if dtype == torch.float64 and precision != "ieee":
         return f"float64 takes precision 'ieee', not {precision!r}"
     if min(_chunk(F), _chunk(FO)) < 16:
-        return f"F = {F} and F' = {FO} must be multiples of 16"
+        return f"F and F' must both be multiples of 16 (F = {F}, F' = {FO})"
     return None
 
 
@@ -279,10 +281,22 @@ def _check(name: str, t, shape: tuple, device) -> None:
         raise ValueError(f"{name} is on {t.device}, the rows on {device}")
 
 
-def _check_weights(weights, weight_out, n_ang, F, FO, device) -> None:
+def _check_weights(weights, weight_out, n_ang, F, FO, device, dtype) -> None:
     for k, w in enumerate(weights):
         _check(f"weights[{k}]", w, (n_ang, F, F), device)
     _check("weight_out", weight_out, (n_ang, FO, F), device)
+    for name, w in [*((f"weights[{k}]", w) for k, w in enumerate(weights)),
+                    ("weight_out", weight_out)]:  # fmt: skip
+        if w.dtype != dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but the rows have {dtype}")
+
+
+def _served(x_cos, weights, weight_out, precision) -> None:
+    if not isinstance(weight_out, torch.Tensor) or weight_out.ndim != 3:
+        raise ValueError("weight_out must be an (n_ang, F', F) tensor")
+    why = why_not_fused(x_cos, weights, weight_out, precision)
+    if why:
+        raise ValueError(f"the fused kernels cannot serve this call: {why}")
 
 
 def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
@@ -292,11 +306,12 @@ def fused_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (made contiguous),
     ``z (K, 2, E, F, n_ang)`` the pre-activations; the caller checks
     :func:`why_not_fused` first."""
+    _served(x_cos, weights, weight_out, precision)
     n_ang, FO, F = weight_out.shape
     E, K, dev, dt = x_cos.shape[0], len(weights), x_cos.device, x_cos.dtype
     _check("x_cos", x_cos, (E, F, n_ang), dev)
     _check("x_sin", x_sin, (E, F, n_ang), dev)
-    _check_weights(weights, weight_out, n_ang, F, FO, dev)
+    _check_weights(weights, weight_out, n_ang, F, FO, dev, dt)
     if len(biases) != K:
         raise ValueError(f"{len(biases)} biases for {K} weights")
     for k, b in enumerate([*biases, bias_out]):
@@ -332,6 +347,7 @@ def fused_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
     gradient ``g (E, F', n_ang)``, from the pre-activations ``z`` that
     :func:`fused_forward` wrote (no parameter gradients)."""
+    _served(z, weights, weight_out, precision)
     n_ang, FO, F = weight_out.shape
     K, E, dev, dt = z.shape[0], g_cos.shape[0], g_cos.device, z.dtype
     if len(weights) != K:
@@ -339,7 +355,7 @@ def fused_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     _check("z", z, (K, 2, E, F, n_ang), dev)
     _check("g_cos", g_cos, (E, FO, n_ang), dev)
     _check("g_sin", g_sin, (E, FO, n_ang), dev)
-    _check_weights(weights, weight_out, n_ang, F, FO, dev)
+    _check_weights(weights, weight_out, n_ang, F, FO, dev, dt)
     gc, gs = g_cos.to(dt).contiguous(), g_sin.to(dt).contiguous()
     w_all = torch.stack([w.to(dt) for w in weights]) if K else gc.new_zeros(1)
     dx_cos = gc.new_empty((E, F, n_ang))
