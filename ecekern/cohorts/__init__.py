@@ -336,19 +336,10 @@ def mixing_stack(
         y_cos, y_sin, *_ = _forward(
             xc, xs, params, len(weights), linear, int(cohort_edges), False, fused
         )
-        return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
-            *lead, *y_sin.shape[1:]
+    else:
+        y_cos, y_sin = _CohortStack.apply(
+            xc, xs, linear, int(cohort_edges), recompute, fused, len(weights), *params
         )
-    y_cos, y_sin = _CohortStack.apply(
-        xc,
-        xs,
-        linear,
-        int(cohort_edges),
-        bool(recompute),
-        fused,
-        len(weights),
-        *params,
-    )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]
     )
