@@ -36,7 +36,7 @@ __all__ = [
 LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
 ZONAL_PATHS = ("auto", "reference", "fused")
 EDGE_FRAME_PATHS = ("auto", "reference", "table", "packed")
-COHORT_FUSED = ("off", "ieee", "tf32", "tf32x3")
+COHORT_FUSED = ("off", "ieee", "tf32", "tf32x3", "bf16")
 
 
 @dataclass(frozen=True)

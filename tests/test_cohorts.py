@@ -325,7 +325,7 @@ def test_cohort_edges_option(monkeypatch):
     with pytest.raises(ValueError, match="cohort_edges"):
         options.Options(cohort_edges=True)
     with pytest.raises(ValueError, match="cohort_fused"):
-        options.Options(cohort_fused="bf16")
+        options.Options(cohort_fused="fp8")
     with pytest.raises(ValueError, match="cohort_recompute=False"):
         options.Options(cohort_fused="ieee", cohort_recompute=True)
     seen = []

@@ -47,7 +47,7 @@ import torch
 
 from .. import options, reference
 from .._autograd import engine_uses, grad_node
-from . import fused as _fused
+from . import layers as _layers
 
 __all__ = ["COHORT_EDGES", "mixing_stack"]
 
@@ -81,7 +81,7 @@ def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
     ``z (K, 2, E, F, n_ang)``."""
     if fused is not None:
         w, b = params[:K], params[K : 2 * K]
-        return _fused.fused_forward(
+        return _layers.stack_forward(
             x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused
         )
     E = x_cos.shape[0]
@@ -207,7 +207,7 @@ class _CohortStack(torch.autograd.Function):
         dx_cos = dx_sin = None
         if not double and not want and zs:  # a force step: from the kept z_k
             if need_x and ctx.fused is not None:  # the fused kernel's one z
-                dx_cos, dx_sin = _fused.fused_backward(
+                dx_cos, dx_sin = _layers.stack_backward(
                     zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused
                 )
             elif need_x:
@@ -286,10 +286,10 @@ def mixing_stack(
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     if fused is not None and (
-        not isinstance(fused, str) or fused not in _fused.PRECISIONS
+        not isinstance(fused, str) or fused not in _layers.PRECISIONS
     ):
         raise ValueError(
-            f"fused must be None or one of {_fused.PRECISIONS}, got {fused!r}"
+            f"fused must be None or one of {_layers.PRECISIONS}, got {fused!r}"
         )
     if len(weights) != len(biases):
         raise ValueError(
@@ -328,7 +328,7 @@ def mixing_stack(
             raise ValueError(
                 "fused keeps the pre-activations: it needs recompute=False"
             )
-        why = _fused.why_not_fused(xc, weights, weight_out, fused)
+        why = _layers.why_not_layers(xc, weight_out, fused)
         if why:
             options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
             fused = None
