@@ -65,6 +65,9 @@ TILES = {
     "tf32x3": (128, 64, 32, 8, 3),
     "bf16": (128, 64, 32, 8, 3),
 }
+#: Copy the stack's input and output to and from planes around the kernels (True),
+#: or let the first and last kernels read and write the rows' own strides.
+PLANES_IO = False
 #: Triton's CPU interpreter truncates to bfloat16 and multiplies bf16 wrongly; it
 #: gets the same operands rounded in fp32 instead.
 EMULATE_BF16 = tl.constexpr(INTERPRET)
@@ -112,7 +115,7 @@ def _mm2(a_c, a_s, sa_e, sa_f, e, ok, w, SWO: tl.constexpr, SWI: tl.constexpr, n
     return acc_c, acc_s
 
 
-@triton.jit(do_not_specialize=["E", "sa_m", "sz_m", "so_m"])
+@triton.jit(do_not_specialize=["E"])
 def _layer_fwd_kernel(a_c, a_s, sa_e, sa_f, sa_m, w, b, z_c, z_s, sz_m,
                       o_c, o_s, so_e, so_f, so_m, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
@@ -156,7 +159,7 @@ def _layer_fwd_kernel(a_c, a_s, sa_e, sa_f, sa_m, w, b, z_c, z_s, sz_m,
         tl.store(o_s + out, acc_s, mask=okk)
 
 
-@triton.jit(do_not_specialize=["E", "sd_m", "sp_m", "su_m"])
+@triton.jit(do_not_specialize=["E"])
 def _layer_bwd_kernel(d_c, d_s, sd_e, sd_f, sd_m, w, r_c, r_s, z_c, z_s, sp_m,
                       u_c, u_s, su_e, su_f, su_m, dz_c, dz_s, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
@@ -182,7 +185,7 @@ def _layer_bwd_kernel(d_c, d_s, sd_e, sd_f, sd_m, w, r_c, r_s, z_c, z_s, sp_m,
         m = (mi + 1) % NA  # m = 1 .. n_ang - 1, then 0 (a constexpr)
         mo = m * tl.cast(sd_m, tl.int64)
         acc_c, acc_s = _mm2(d_c + mo, d_s + mo, sd_e, sd_f, e, ok,
-                            w + m * KIN * NOUT, 1, NOUT, n0, KIN, BE, BN, BK, PREC,
+                            w + m * KIN * NOUT, KIN, 1, n0, KIN, BE, BN, BK, PREC,
                             DT)  # fmt: skip
         pat = m * tl.cast(sp_m, tl.int64) + e2 * NOUT + n
         if RES:
@@ -291,11 +294,19 @@ def _dt(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _to_planes(a_cos, a_sin):
+    """``(n_ang, 2, E, F)`` planes of ``(E, F, n_ang)`` rows (one copy)."""
+    return torch.stack((a_cos, a_sin)).permute(3, 0, 1, 2).contiguous()
+
+
 def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
-                  precision: str = "ieee", tiles=None):  # fmt: skip
+                  precision: str = "ieee", tiles=None,
+                  planes_io: bool | None = None):  # fmt: skip
     """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)``; ``z (K, n_ang,
     2, E, F)`` the pre-activations. ``tiles``: ``(BE, BN, BK, warps, stages)``
-    instead of :data:`TILES`."""
+    instead of :data:`TILES`; ``planes_io``: copy x to planes and y from planes
+    around the kernels instead of reading and writing the rows' strides in them
+    (default :data:`PLANES_IO`)."""
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
     n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
@@ -311,12 +322,17 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     y_sin = torch.empty_like(y_cos)
     if E == 0:
         return y_cos, y_sin, z
-    src = _native(x_cos, x_sin)
+    planes_io = PLANES_IO if planes_io is None else planes_io
+    src = _planes(_to_planes(x_cos, x_sin)) if planes_io else _native(x_cos, x_sin)
+    if planes_io:
+        yp = x_cos.new_empty((n_ang, 2, E, FO))
     for k in range(K + 1):
         last = k == K
         w = (weight_out if last else weights[k]).contiguous()
         b = bias_out if last else biases[k]
-        if last:
+        if last and planes_io:
+            out, zc, zs, sz_m = _planes(yp), y_cos, y_sin, 0
+        elif last:
             out, zc, zs, sz_m = (y_cos, y_sin, *y_cos.stride()), y_cos, y_sin, 0
         else:
             u = x_cos.new_empty((n_ang, 2, E, F))
@@ -326,11 +342,14 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
                 KIN=F, NA=n_ang, GATE=not last, HAS_B=b is not None,
                 DT=_dt(dt))  # fmt: skip
         src = out
+    if planes_io:
+        y_cos.copy_(yp[:, 0].permute(1, 2, 0))
+        y_sin.copy_(yp[:, 1].permute(1, 2, 0))
     return y_cos, y_sin, z
 
 
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
-                   tiles=None):  # fmt: skip
+                   tiles=None, planes_io: bool | None = None):  # fmt: skip
     """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
     gradient ``g (E, F', n_ang)`` (any strides), from the pre-activations ``z`` that
     :func:`stack_forward` kept (no parameter gradients)."""
@@ -346,15 +365,22 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     dx_sin = torch.empty_like(dx_cos)
     if E == 0:
         return dx_cos, dx_sin
-    src, du = _native(g_cos, g_sin), None
+    planes_io = PLANES_IO if planes_io is None else planes_io
+    src = _planes(_to_planes(g_cos, g_sin)) if planes_io else _native(g_cos, g_sin)
+    du = None
+    if planes_io:
+        dxp = g_cos.new_empty((n_ang, 2, E, F))
     for k in reversed(range(K + 1)):  # k = K: W_out; then the gated layers
-        w = (weight_out if k == K else weights[k]).contiguous()
+        w = (weight_out if k == K else weights[k]).transpose(1, 2).contiguous()
         gate = k > 0  # dz for the layer below, from its z
         if gate:
             du_new = g_cos.new_empty((n_ang, 2, E, F))
             dz = g_cos.new_empty((n_ang, 2, E, F))
             out, dzc, dzs = _planes(du_new), dz[:, 0], dz[:, 1]
             zc, zs = z[k - 1, :, 0], z[k - 1, :, 1]
+        elif planes_io:
+            out, dzc, dzs = _planes(dxp), dx_cos, dx_sin
+            zc, zs = dx_cos, dx_sin  # not read
         else:
             out, dzc, dzs = (dx_cos, dx_sin, *dx_cos.stride()), dx_cos, dx_sin
             zc, zs = dx_cos, dx_sin  # not read
@@ -365,4 +391,7 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
                 DT=_dt(dt))  # fmt: skip
         if gate:
             src, du = _planes(dz), du_new
+    if planes_io:
+        dx_cos.copy_(dxp[:, 0].permute(1, 2, 0))
+        dx_sin.copy_(dxp[:, 1].permute(1, 2, 0))
     return dx_cos, dx_sin
