@@ -82,7 +82,7 @@ def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
     if fused is not None:
         w, b = params[:K], params[K : 2 * K]
         return _layers.stack_forward(
-            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused
+            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused, cohort
         )
     E = x_cos.shape[0]
     run = _stack_keep if keep else _stack
@@ -208,8 +208,9 @@ class _CohortStack(torch.autograd.Function):
         if not double and not want and zs:  # a force step: from the kept z_k
             if need_x and ctx.fused is not None:  # the fused kernel's one z
                 dx_cos, dx_sin = _layers.stack_backward(
-                    zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused
-                )
+                    zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused,
+                    ctx.cohort,
+                )  # fmt: skip
             elif need_x:
                 dx_cos, dx_sin = _input_backward(
                     zs, g_cos, g_sin, params, K, linear, ctx.cohort

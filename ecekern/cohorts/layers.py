@@ -65,9 +65,8 @@ TILES = {
     "tf32x3": (128, 64, 32, 8, 3),
     "bf16": (128, 64, 32, 8, 3),
 }
-#: Copy the stack's input and output to and from planes around the kernels (True),
-#: or let the first and last kernels read and write the rows' own strides.
-PLANES_IO = False
+#: Rows a cohort: the planes buffers hold this many edges.
+COHORT_EDGES = 65536
 #: Triton's CPU interpreter truncates to bfloat16 and multiplies bf16 wrongly; it
 #: gets the same operands rounded in fp32 instead.
 EMULATE_BF16 = tl.constexpr(INTERPRET)
@@ -85,129 +84,110 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _mm2(a_c, a_s, sa_e, sa_f, e, ok, w, SWO: tl.constexpr, SWI: tl.constexpr, n0,
-         KIN: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-         PREC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]`` for the cos and the sin rows, with
-    ``a[e, i]`` at ``a + e sa_e + i sa_f`` and ``A[o, i]`` at ``w + o SWO + i SWI``
-    (``SWO = KIN, SWI = 1``: W itself; ``SWO = 1, SWI = n_out``: its transpose)."""
+def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+        DT: tl.constexpr):  # fmt: skip
+    """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]``, rows ``a + row[e] KIN``, with
+    ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous)."""
     kk = tl.arange(0, BK)
     n = n0 + tl.arange(0, BN)
-    acc_c = tl.zeros((BE, BN), DT)
-    acc_s = tl.zeros((BE, BN), DT)
-    row = e[:, None] * sa_e
+    acc = tl.zeros((BE, BN), DT)
     for k0 in range(0, KIN, BK):
-        wt = tl.load(w + n[None, :] * SWO + (k0 + kk)[:, None] * SWI)  # (in, out)
-        at = row + (k0 + kk)[None, :] * sa_f
-        xc = tl.load(a_c + at, mask=ok[:, None], other=0.0)
-        xs = tl.load(a_s + at, mask=ok[:, None], other=0.0)
+        wt = tl.load(w + n[None, :] * SWO + (k0 + kk)[:, None])  # (in, out)
+        x = tl.load(a + row[:, None] * KIN + (k0 + kk)[None, :], mask=ok[:, None],
+                    other=0.0)  # fmt: skip
         if PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
-            wt = _round_bf16(wt)
-            acc_c = tl.dot(_round_bf16(xc), wt, acc_c, input_precision="ieee")
-            acc_s = tl.dot(_round_bf16(xs), wt, acc_s, input_precision="ieee")
+            acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
         elif PREC == "bf16":
-            wt = wt.to(tl.bfloat16)
-            acc_c = tl.dot(xc.to(tl.bfloat16), wt, acc_c, out_dtype=DT)
-            acc_s = tl.dot(xs.to(tl.bfloat16), wt, acc_s, out_dtype=DT)
+            acc = tl.dot(x.to(tl.bfloat16), wt.to(tl.bfloat16), acc, out_dtype=DT)
         else:
-            acc_c = tl.dot(xc, wt, acc_c, input_precision=PREC, out_dtype=DT)
-            acc_s = tl.dot(xs, wt, acc_s, input_precision=PREC, out_dtype=DT)
-    return acc_c, acc_s
+            acc = tl.dot(x, wt, acc, input_precision=PREC, out_dtype=DT)
+    return acc
 
 
 @triton.jit(do_not_specialize=["E"])
-def _layer_fwd_kernel(a_c, a_s, sa_e, sa_f, sa_m, w, b, z_c, z_s, sz_m,
-                      o_c, o_s, so_e, so_f, so_m, E,
+def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
                       BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GATE: tl.constexpr, HAS_B: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):  # fmt: skip
-    """One layer for BE edges and BN outputs: ``z = W u (+ b)``; with ``GATE``,
-    ``z`` is kept (planes, ``z_c + m sz_m + e NOUT + n``) and ``u + gate(z)`` is
-    the output, else ``z`` is."""
+    """One layer for BE edges and BN outputs, planes in and out (``x[m, c, e, i]``
+    at ``x + m s_m + c s_c + e width + i``): ``z = W u (+ b)``; with ``GATE``, z is
+    kept and ``u + gate(z)`` is the output, else z is."""
     NB: tl.constexpr = NOUT // BN
     pid = tl.program_id(0)  # the BN-blocks of an edge block run side by side
+    sa_m, sa_c = tl.cast(sa_m, tl.int64), tl.cast(sa_c, tl.int64)  # z: all E rows
+    sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
+    so_m, so_c = tl.cast(so_m, tl.int64), tl.cast(so_c, tl.int64)
     e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
     n0 = (pid % NB) * BN
     n = n0 + tl.arange(0, BN)[None, :]
     ok = e < E
     okk = ok[:, None]
-    e2 = e[:, None]
     s = tl.zeros((BE, BN), DT)
     for m in tl.static_range(NA):  # m = 0 first: its cos row makes the gate
-        mo = m * tl.cast(sa_m, tl.int64)
-        acc_c, acc_s = _mm2(a_c + mo, a_s + mo, sa_e, sa_f, e, ok,
-                            w + m * NOUT * KIN, KIN, 1, n0, KIN, BE, BN, BK, PREC,
-                            DT)  # fmt: skip
-        if HAS_B and m == 0:
-            acc_c += tl.load(b + n)
-        out = m * tl.cast(so_m, tl.int64) + e2 * so_e + n * so_f
-        if GATE:
-            zat = m * tl.cast(sz_m, tl.int64) + e2 * NOUT + n
-            tl.store(z_c + zat, acc_c, mask=okk)
-            tl.store(z_s + zat, acc_s, mask=okk)
-            at = mo + e2 * sa_e + n * sa_f  # the residual: u itself (F = F_in)
-            if m == 0:  # SiLU on p; the m = 0 sin rows pass ungated
-                s = tl.sigmoid(acc_c)
-                acc_c = acc_c * s
-            else:
-                acc_c = acc_c * s
-                acc_s = acc_s * s
-            acc_c += tl.load(a_c + at, mask=okk, other=0.0)
-            acc_s += tl.load(a_s + at, mask=okk, other=0.0)
-        tl.store(o_c + out, acc_c, mask=okk)
-        tl.store(o_s + out, acc_s, mask=okk)
+        for c in tl.static_range(2):  # cos, sin
+            src = a + m * sa_m + c * sa_c
+            acc = _mm(src, e, ok, w + m * NOUT * KIN, KIN, n0, KIN, BE, BN, BK, PREC,
+                      DT)  # fmt: skip
+            if HAS_B and m == 0 and c == 0:
+                acc += tl.load(b + n)
+            at = e[:, None] * NOUT + n
+            if GATE:
+                tl.store(z + m * sz_m + c * sz_c + at, acc, mask=okk)
+                if m == 0 and c == 0:  # SiLU on p
+                    s = tl.sigmoid(acc)
+                    acc = acc * s
+                elif m > 0:  # the m = 0 sin rows pass ungated
+                    acc = acc * s
+                acc += tl.load(src + at, mask=okk, other=0.0)  # the residual (F_in = F)
+            tl.store(o + m * so_m + c * so_c + at, acc, mask=okk)
 
 
 @triton.jit(do_not_specialize=["E"])
-def _layer_bwd_kernel(d_c, d_s, sd_e, sd_f, sd_m, w, r_c, r_s, z_c, z_s, sp_m,
-                      u_c, u_s, su_e, su_f, su_m, dz_c, dz_s, E,
+def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, su_c,
+                      dz, sdz_m, sdz_c, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
                       BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       RES: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):  # fmt: skip
-    """One stage of the backward for BE edges and BN features:
-    ``du = W^T d (+ r)``, stored at ``u``; with ``GATE``, also ``dz = gate'(z) du``
-    for the layer below's kept ``z`` (planes, as r, dz: ``+ m sp_m + e NOUT + n``)."""
+    """One stage of the backward for BE edges and BN features, planes as in the
+    forward: ``du = W^T d (+ r)`` into u; with ``GATE``, also ``dz = gate'(z) du``
+    for the layer below's kept z."""
     NB: tl.constexpr = NOUT // BN
     pid = tl.program_id(0)
+    sd_m, sd_c = tl.cast(sd_m, tl.int64), tl.cast(sd_c, tl.int64)
+    sr_m, sr_c = tl.cast(sr_m, tl.int64), tl.cast(sr_c, tl.int64)
+    sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
+    su_m, su_c = tl.cast(su_m, tl.int64), tl.cast(su_c, tl.int64)
+    sdz_m, sdz_c = tl.cast(sdz_m, tl.int64), tl.cast(sdz_c, tl.int64)
     e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
     n0 = (pid % NB) * BN
     n = n0 + tl.arange(0, BN)[None, :]
     ok = e < E
     okk = ok[:, None]
-    e2 = e[:, None]
-    if GATE:
-        p = tl.load(z_c + e2 * NOUT + n, mask=okk, other=0.0)  # m = 0, cos
-        s = tl.sigmoid(p)
-        t = tl.zeros((BE, BN), DT)  # sum over m >= 1 of du_m z_m
+    at = e[:, None] * NOUT + n
+    t = tl.zeros((BE, BN), DT)  # sum over m >= 1 of du_m z_m
     for mi in tl.static_range(NA):
         m = (mi + 1) % NA  # m = 1 .. n_ang - 1, then 0 (a constexpr)
-        mo = m * tl.cast(sd_m, tl.int64)
-        acc_c, acc_s = _mm2(d_c + mo, d_s + mo, sd_e, sd_f, e, ok,
-                            w + m * KIN * NOUT, KIN, 1, n0, KIN, BE, BN, BK, PREC,
-                            DT)  # fmt: skip
-        pat = m * tl.cast(sp_m, tl.int64) + e2 * NOUT + n
-        if RES:
-            acc_c += tl.load(r_c + pat, mask=okk, other=0.0)
-            acc_s += tl.load(r_s + pat, mask=okk, other=0.0)
-        tl.store(
-            u_c + m * tl.cast(su_m, tl.int64) + e2 * su_e + n * su_f, acc_c, mask=okk
-        )
-        tl.store(
-            u_s + m * tl.cast(su_m, tl.int64) + e2 * su_e + n * su_f, acc_s, mask=okk
-        )
-        if GATE:
-            if m == 0:
-                g_c = acc_c * s + (acc_c * p + t) * (s * (1 - s))
-                g_s = acc_s
-            else:
-                t += acc_c * tl.load(z_c + pat, mask=okk, other=0.0)
-                t += acc_s * tl.load(z_s + pat, mask=okk, other=0.0)
-                g_c = acc_c * s
-                g_s = acc_s * s
-            tl.store(dz_c + pat, g_c, mask=okk)
-            tl.store(dz_s + pat, g_s, mask=okk)
+        for cc in tl.static_range(2):
+            c = 1 - cc  # sin, then cos: m = 0's cos is the very last
+            acc = _mm(d + m * sd_m + c * sd_c, e, ok, w + m * KIN * NOUT, KIN, n0,
+                      KIN, BE, BN, BK, PREC, DT)  # fmt: skip
+            if RES:
+                acc += tl.load(r + m * sr_m + c * sr_c + at, mask=okk, other=0.0)
+            tl.store(u + m * su_m + c * su_c + at, acc, mask=okk)
+            if GATE:
+                if m > 0 or c == 0:  # (the m = 0 sin rows pass ungated)
+                    p = tl.load(z + at, mask=okk, other=0.0)  # m = 0, cos
+                    sg = tl.sigmoid(p)
+                    if m > 0:
+                        zm = tl.load(z + m * sz_m + c * sz_c + at, mask=okk, other=0.0)
+                        t += acc * zm
+                        acc = acc * sg
+                    else:
+                        acc = acc * sg + (acc * p + t) * (sg * (1 - sg))
+                tl.store(dz + m * sdz_m + c * sdz_c + at, acc, mask=okk)
 
 
 # --------------------------------------------------------------------------------------
@@ -268,17 +248,10 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     return n_ang, FO, F
 
 
-def _native(a_cos, a_sin):
-    """``(cos, sin, stride_e, stride_f, stride_m)`` of ``(E, F, n_ang)`` rows, the
-    two parts with one set of strides (else both made contiguous)."""
-    if a_cos.stride() != a_sin.stride():
-        a_cos, a_sin = a_cos.contiguous(), a_sin.contiguous()
-    return (a_cos, a_sin, *a_cos.stride())
-
-
 def _planes(p):
-    """``(cos, sin, stride_e, stride_f, stride_m)`` of planes ``(n_ang, 2, E, F)``."""
-    return (p[:, 0], p[:, 1], p.stride(2), 1, p.stride(0))
+    """``(p, stride_m, stride_c)`` of planes ``(n_ang, 2, rows, width)``, rows
+    contiguous."""
+    return (p, p.stride(0), p.stride(1))
 
 
 def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
@@ -294,19 +267,36 @@ def _dt(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _to_planes(a_cos, a_sin):
-    """``(n_ang, 2, E, F)`` planes of ``(E, F, n_ang)`` rows (one copy)."""
-    return torch.stack((a_cos, a_sin)).permute(3, 0, 1, 2).contiguous()
+def _cohorts(E: int, cohort_edges: int):
+    """``(a, b)`` row ranges of at most ``cohort_edges`` rows."""
+    if isinstance(cohort_edges, bool) or not isinstance(cohort_edges, int):
+        raise TypeError(f"cohort_edges must be an int, got {cohort_edges!r}")
+    if cohort_edges < 1:
+        raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
+    return [(a, min(a + cohort_edges, E)) for a in range(0, E, cohort_edges)]
+
+
+def _in(buf, a_cos, a_sin):
+    """Rows ``(n, F, n_ang)`` into the first n rows of planes ``buf``."""
+    n = a_cos.shape[0]
+    buf[:, 0, :n].copy_(a_cos.permute(2, 0, 1))
+    buf[:, 1, :n].copy_(a_sin.permute(2, 0, 1))
+    return buf[:, :, :n]
+
+
+def _out(buf, n, o_cos, o_sin):
+    """The first n rows of planes ``buf`` out into rows ``(n, F, n_ang)``."""
+    o_cos.copy_(buf[:, 0, :n].permute(1, 2, 0))
+    o_sin.copy_(buf[:, 1, :n].permute(1, 2, 0))
 
 
 def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
-                  precision: str = "ieee", tiles=None,
-                  planes_io: bool | None = None):  # fmt: skip
-    """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)``; ``z (K, n_ang,
-    2, E, F)`` the pre-activations. ``tiles``: ``(BE, BN, BK, warps, stages)``
-    instead of :data:`TILES`; ``planes_io``: copy x to planes and y from planes
-    around the kernels instead of reading and writing the rows' strides in them
-    (default :data:`PLANES_IO`)."""
+                  precision: str = "ieee", cohort_edges: int = COHORT_EDGES,
+                  tiles=None):  # fmt: skip
+    """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (any strides);
+    ``z (K, n_ang, 2, E, F)`` the pre-activations. The rows go through in cohorts
+    of at most ``cohort_edges``, each copied into planes and back. ``tiles``:
+    ``(BE, BN, BK, warps, stages)`` instead of :data:`TILES`."""
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
     n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
@@ -320,78 +310,65 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     z = x_cos.new_empty((K, n_ang, 2, E, F))
     y_cos = x_cos.new_empty((E, FO, n_ang))
     y_sin = torch.empty_like(y_cos)
-    if E == 0:
+    spans = _cohorts(E, cohort_edges)
+    if not spans:
         return y_cos, y_sin, z
-    planes_io = PLANES_IO if planes_io is None else planes_io
-    src = _planes(_to_planes(x_cos, x_sin)) if planes_io else _native(x_cos, x_sin)
-    if planes_io:
-        yp = x_cos.new_empty((n_ang, 2, E, FO))
-    for k in range(K + 1):
-        last = k == K
-        w = (weight_out if last else weights[k]).contiguous()
-        b = bias_out if last else biases[k]
-        if last and planes_io:
-            out, zc, zs, sz_m = _planes(yp), y_cos, y_sin, 0
-        elif last:
-            out, zc, zs, sz_m = (y_cos, y_sin, *y_cos.stride()), y_cos, y_sin, 0
-        else:
-            u = x_cos.new_empty((n_ang, 2, E, F))
-            out, zc, zs, sz_m = _planes(u), z[k, :, 0], z[k, :, 1], z.stride(1)
-        _launch(_layer_fwd_kernel, E, FO if last else F, precision, tiles,
-                *src, w, w if b is None else b.contiguous(), zc, zs, sz_m, *out,
-                KIN=F, NA=n_ang, GATE=not last, HAS_B=b is not None,
-                DT=_dt(dt))  # fmt: skip
-        src = out
-    if planes_io:
-        y_cos.copy_(yp[:, 0].permute(1, 2, 0))
-        y_sin.copy_(yp[:, 1].permute(1, 2, 0))
+    c = spans[0][1]
+    ws = [w.contiguous() for w in (*weights, weight_out)]
+    bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
+    u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    yp = x_cos.new_empty((n_ang, 2, c, FO))
+    for a, b in spans:
+        n = b - a
+        src = _in(u[0], x_cos[a:b], x_sin[a:b])
+        for k in range(K + 1):
+            last = k == K
+            dst = yp[:, :, :n] if last else u[(k + 1) % 2][:, :, :n]
+            zk = z[min(k, K - 1), :, :, a:b] if K else dst
+            _launch(_layer_fwd_kernel, n, FO if last else F, precision, tiles,
+                    *_planes(src), ws[k], ws[k] if bs[k] is None else bs[k],
+                    zk, zk.stride(0), zk.stride(1), *_planes(dst),
+                    KIN=F, NA=n_ang, GATE=not last, HAS_B=bs[k] is not None,
+                    DT=_dt(dt))  # fmt: skip
+            src = dst
+        _out(yp, n, y_cos[a:b], y_sin[a:b])
     return y_cos, y_sin, z
 
 
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
-                   tiles=None, planes_io: bool | None = None):  # fmt: skip
+                   cohort_edges: int = COHORT_EDGES, tiles=None):  # fmt: skip
     """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
     gradient ``g (E, F', n_ang)`` (any strides), from the pre-activations ``z`` that
-    :func:`stack_forward` kept (no parameter gradients)."""
+    :func:`stack_forward` kept (no parameter gradients); in cohorts as there."""
     E, dev, dt = g_cos.shape[0], g_cos.device, z.dtype
     n_ang, FO, F = _checked(z, weights, weight_out, precision, dt)
     K = len(weights)
     _check("z", z, (K, n_ang, 2, E, F), dev)
     _check("g_cos", g_cos, (E, FO, n_ang), dev)
     _check("g_sin", g_sin, (E, FO, n_ang), dev)
-    if g_cos.dtype != dt or g_sin.dtype != dt:
-        g_cos, g_sin = g_cos.to(dt), g_sin.to(dt)
-    dx_cos = g_cos.new_empty((E, F, n_ang))
+    dx_cos = g_cos.new_empty((E, F, n_ang), dtype=dt)
     dx_sin = torch.empty_like(dx_cos)
-    if E == 0:
+    spans = _cohorts(E, cohort_edges)
+    if not spans:
         return dx_cos, dx_sin
-    planes_io = PLANES_IO if planes_io is None else planes_io
-    src = _planes(_to_planes(g_cos, g_sin)) if planes_io else _native(g_cos, g_sin)
-    du = None
-    if planes_io:
-        dxp = g_cos.new_empty((n_ang, 2, E, F))
-    for k in reversed(range(K + 1)):  # k = K: W_out; then the gated layers
-        w = (weight_out if k == K else weights[k]).transpose(1, 2).contiguous()
-        gate = k > 0  # dz for the layer below, from its z
-        if gate:
-            du_new = g_cos.new_empty((n_ang, 2, E, F))
-            dz = g_cos.new_empty((n_ang, 2, E, F))
-            out, dzc, dzs = _planes(du_new), dz[:, 0], dz[:, 1]
-            zc, zs = z[k - 1, :, 0], z[k - 1, :, 1]
-        elif planes_io:
-            out, dzc, dzs = _planes(dxp), dx_cos, dx_sin
-            zc, zs = dx_cos, dx_sin  # not read
-        else:
-            out, dzc, dzs = (dx_cos, dx_sin, *dx_cos.stride()), dx_cos, dx_sin
-            zc, zs = dx_cos, dx_sin  # not read
-        rc, rs = (du[:, 0], du[:, 1]) if du is not None else (dx_cos, dx_sin)
-        _launch(_layer_bwd_kernel, E, F, precision, tiles,
-                *src, w, rc, rs, zc, zs, z.stride(1), *out, dzc, dzs,
-                KIN=FO if k == K else F, NA=n_ang, RES=du is not None, GATE=gate,
-                DT=_dt(dt))  # fmt: skip
-        if gate:
-            src, du = _planes(dz), du_new
-    if planes_io:
-        dx_cos.copy_(dxp[:, 0].permute(1, 2, 0))
-        dx_sin.copy_(dxp[:, 1].permute(1, 2, 0))
+    c = spans[0][1]
+    wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
+    gp = dx_cos.new_empty((n_ang, 2, c, FO))
+    du = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    dz = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    for a, b in spans:
+        n = b - a
+        src, res = _in(gp, g_cos[a:b], g_sin[a:b]), None
+        for i, k in enumerate(reversed(range(K + 1))):  # W_out, then W_K .. W_1
+            gate = k > 0  # dz for the layer below, from its z
+            out, dzk = du[i % 2][:, :, :n], dz[i % 2][:, :, :n]
+            zk = z[k - 1, :, :, a:b] if gate else out
+            r = out if res is None else res
+            _launch(_layer_bwd_kernel, n, F, precision, tiles,
+                    *_planes(src), wt[k], *_planes(r),
+                    zk, zk.stride(0), zk.stride(1), *_planes(out), *_planes(dzk),
+                    KIN=FO if k == K else F, NA=n_ang, RES=res is not None,
+                    GATE=gate, DT=_dt(dt))  # fmt: skip
+            src, res = dzk, out
+        _out(res, n, dx_cos[a:b], dx_sin[a:b])
     return dx_cos, dx_sin
