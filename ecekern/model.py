@@ -173,7 +173,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     the layer's own EquivariantLinear path and the ``cohort_edges``,
     ``cohort_recompute`` and ``cohort_fused`` options."""
     path, now = layer.out.path, options.current()
-    fused = now.cohort_fused
+    fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
 
     def linear(xc, xs, w, b):
         return equivariant_linear(xc, xs, w, b, path)
@@ -181,7 +181,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        now.cohort_edges, now.cohort_recompute, None if fused == "off" else fused,
+        now.cohort_edges, now.cohort_recompute, fused,
     )  # fmt: skip
 
 

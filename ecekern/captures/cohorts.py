@@ -5,7 +5,7 @@ every earlier chapter's fast path on (the library's defaults):
 
 * ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
   backward) at the 512- and 4096-atom boxes' edge counts, plain, in cohorts
-  (:data:`COHORTS`) and with the fused kernels (:data:`FUSED`): time (ms) and the
+  (:data:`COHORTS`) and by the layer kernels (:data:`FUSED`): time (ms) and the
   peak memory above the inputs (MiB);
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
@@ -15,14 +15,14 @@ every earlier chapter's fast path on (the library's defaults):
   plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
   diamond repeats), and the largest box that ran (an out-of-memory is a row, not
   the end of the run);
-* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the fused kernels' tf32x3
-  and tf32 against fp64 (same weights)
+* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the layer kernels'
+  tf32x3, tf32 and bf16 against fp64 (same weights)
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
   energy drift per atom;
-* ``ncu`` -> ncu_fused.csv: Nsight Compute on the fused forward and force backward
-  kernels at each precision (the 4096-atom box's edge count).
+* ``ncu`` -> ncu_layers.csv: Nsight Compute on the layer kernels, forward and force
+  backward, at each precision (one cohort of 65536 edges).
 """
 
 from __future__ import annotations
@@ -46,8 +46,13 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
-#: The fused kernels' rows of the ``stack`` part: (label, tl.dot precision).
-FUSED = (("fused ieee", "ieee"), ("fused tf32x3", "tf32x3"), ("fused tf32", "tf32"))
+#: The layer kernels' rows of the ``stack`` part: (label, precision).
+FUSED = (
+    ("layers ieee", "ieee"),
+    ("layers tf32x3", "tf32x3"),
+    ("layers tf32", "tf32"),
+    ("layers bf16", "bf16"),
+)
 
 
 def capture(
@@ -77,15 +82,15 @@ def capture(
 
 
 def _ncu(out: Path) -> str:
-    """Nsight Compute on the fused stack's forward and force backward at each
-    precision (:func:`ecekern.captures.targets.cohorts_fused`)."""
-    return run_ncu("cohorts_fused", out / "ncu_fused.csv")
+    """Nsight Compute on the layer kernels, forward and force backward, at each
+    precision (:func:`ecekern.captures.targets.cohorts_layers`)."""
+    return run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
 
 
 def _stack(out: Path, reps: list[int], dev: str) -> str:
     import ecekern
     from ecekern import cohorts, reference
-    from ecekern.cohorts.fused import why_not_fused
+    from ecekern.cohorts.layers import why_not_layers
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
@@ -109,7 +114,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         cases = [(*c, None) for c in COHORTS]
         cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
         for label, cohort, recompute, fused in cases:
-            why = fused and why_not_fused(x[0], weights, layer.out.weight, fused)
+            why = fused and why_not_layers(x[0], layer.out.weight, fused)
             if why:  # the interpreter's tiny model: widths without a factor 16
                 rows.append({"stack": label, "n_edges": E, "note": why})
                 bench.write_csv(rows, out / "stack.csv")
@@ -152,12 +157,13 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
 #: (label, options) cases of the ``steps`` and ``memory`` parts.
 STEP_CASES = (
     ("plain", {"cohorts": False}),
-    ("keep z", {"cohorts": True, "cohort_edges": 8192}),
-    ("keep z", {"cohorts": True, "cohort_edges": 65536}),
+    ("keep z", {"cohorts": True, "cohort_edges": 8192, "cohort_fused": "off"}),
+    ("keep z", {"cohorts": True, "cohort_edges": 65536, "cohort_fused": "off"}),
     ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True}),
-    ("fused ieee", {"cohorts": True, "cohort_fused": "ieee"}),
-    ("fused tf32x3", {"cohorts": True, "cohort_fused": "tf32x3"}),
+    *((label, {"cohorts": True, "cohort_fused": p}) for label, p in FUSED),
 )
+#: The ``memory`` part's cases, from :data:`STEP_CASES`.
+MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3")
 
 
 def _steps(out: Path, reps: list[int]) -> str:
@@ -244,10 +250,9 @@ def _precision(out: Path, rep: int = 4) -> str:
     fused = lambda p: {"cohorts": True, "cohort_fused": p}  # noqa: E731
     cases = (
         ("fp64", m64, False, {}),
-        ("fp32", m32, False, {}),
-        ("tf32", m32, True, {}),
-        ("fused tf32x3", m32, False, fused("tf32x3")),
-        ("fused tf32", m32, False, fused("tf32")),
+        ("fp32", m32, False, fused("off")),
+        ("tf32", m32, True, fused("off")),
+        *((label, m32, False, fused(p)) for label, p in FUSED[1:]),
     )
     rows, nve = [], []
     for rattle in RATTLES:
@@ -322,7 +327,8 @@ def _memory(out: Path, boxes: list[int]) -> dict:
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
-    for label, kw in (STEP_CASES[0], STEP_CASES[1], STEP_CASES[3]):
+    cases = {label: kw for label, kw in reversed(STEP_CASES)}  # keep z: 8192
+    for label, kw in ((label, cases[label]) for label in MEMORY_CASES):
         for rep in boxes:
             row = {"stack": label, "repeats": rep}
             try:

@@ -12,8 +12,10 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
    (:class:`~ecekern.graph_step.GraphStep`);
 5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
    zonal="fused")``, replayed;
-6. ``+ ch6 cohorts``: the same with ``cohorts=True`` (the mixing stack's backward in
-   cohorts of the option's ``cohort_edges``), replayed;
+6. ``+ ch6 cohorts``: the same with ``cohorts=True, cohort_fused="off"`` (the
+   mixing stack's backward in cohorts, strict fp32 linears), replayed; then
+   ``+ ch6 3xTF32 stack``, ``+ ch6 TF32 stack``, ``+ ch6 bf16 stack``: the stack by
+   the layer kernels at that precision (:data:`CH6_STACKS`), replayed;
 7. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
    ``options.current()`` was);
 8. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
@@ -54,8 +56,14 @@ CHAPTER_SWITCHES = (
     ("+ ch3 edge_frame", dict(edge_frame="packed")),
     ("+ ch4 graph_step", {}),  # the step replayed as a CUDA graph (REPLAYED)
     ("+ ch5 zonal", dict(zonal="fused")),
-    ("+ ch6 cohorts", dict(cohorts=True)),
+    ("+ ch6 cohorts", dict(cohorts=True, cohort_fused="off")),
 )  # fmt: skip
+#: Chapter 6's stack by the layer kernels, each precision on top of every chapter.
+CH6_STACKS = (
+    ("+ ch6 3xTF32 stack", "tf32x3"),
+    ("+ ch6 TF32 stack", "tf32"),
+    ("+ ch6 bf16 stack", "bf16"),
+)
 
 
 def _cumulative(switches) -> dict:
@@ -69,13 +77,20 @@ def _cumulative(switches) -> dict:
 
 
 #: Our rows: label -> the options they run under (``{}``: the library's defaults).
+_CHAPTERS = _cumulative(CHAPTER_SWITCHES)
 OURS = {
     "reference": {"reference": True},
-    **_cumulative(CHAPTER_SWITCHES),
+    **_CHAPTERS,
+    **{
+        label: {**_CHAPTERS["+ ch6 cohorts"], "cohort_fused": p}
+        for label, p in CH6_STACKS
+    },
     "library defaults": {},
 }
 #: The rows whose step is replayed as a CUDA graph (chapter 4 and after).
-REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal", "+ ch6 cohorts")
+REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal", "+ ch6 cohorts") + tuple(
+    label for label, _ in CH6_STACKS
+)
 #: The compiled rows: label -> the options their model is compiled and run under.
 COMPILED = {
     "reference + torch.compile": {"reference": True},

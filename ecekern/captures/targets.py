@@ -179,11 +179,10 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
         )
 
 
-def cohorts_fused(E: int = 365_074, F: int = 192, FO: int = 96, n_ang: int = 3):
-    """Chapter 6's fused stack (K = 2) at the 4096-atom box's edge count, fp32: the
-    forward, then the force backward, at each tl.dot precision, the library's
-    launch."""
-    from ecekern.cohorts import fused
+def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
+    """Chapter 6's layer kernels (K = 2) on one cohort of the library's size, fp32:
+    the forward, then the force backward, at each precision, the library's tiles."""
+    from ecekern.cohorts import layers
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -194,14 +193,14 @@ def cohorts_fused(E: int = 365_074, F: int = 192, FO: int = 96, n_ang: int = 3):
     gy = [r(E, FO, n_ang) for _ in range(2)]
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    for p in fused.PRECISIONS:
-        z = fused.fused_forward(*x, ws, bs, wo, bo, p)[2]
-        _in_range(lambda p=p: fused.fused_forward(*x, ws, bs, wo, bo, p), warmup=1)
-        _in_range(lambda p=p, z=z: fused.fused_backward(z, *gy, ws, wo, p), warmup=1)
+    for p in layers.PRECISIONS:
+        z = layers.stack_forward(*x, ws, bs, wo, bo, p)[2]
+        _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p), warmup=1)
+        _in_range(lambda p=p, z=z: layers.stack_backward(z, *gy, ws, wo, p), warmup=1)
 
 
 TARGETS = {
-    "cohorts_fused": cohorts_fused,
+    "cohorts_layers": cohorts_layers,
     "copy": copy,
     "gemm": gemm,
     "force_step": force_step,

@@ -60,10 +60,10 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #: Edges and output features a program, inner-product chunk, warps and pipeline
 #: depth, per precision (H200 sweep, chapter 6).
 TILES = {
-    "ieee": (64, 64, 16, 8, 2),
-    "tf32": (128, 64, 32, 8, 3),
-    "tf32x3": (128, 64, 32, 8, 3),
-    "bf16": (128, 64, 32, 8, 3),
+    "ieee": (64, 64, 16, 4, 2),
+    "tf32": (64, 32, 32, 4, 3),
+    "tf32x3": (64, 32, 32, 4, 3),
+    "bf16": (64, 32, 32, 4, 3),
 }
 #: Rows a cohort: the planes buffers hold this many edges.
 COHORT_EDGES = 65536
@@ -343,6 +343,8 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     E, dev, dt = g_cos.shape[0], g_cos.device, z.dtype
     n_ang, FO, F = _checked(z, weights, weight_out, precision, dt)
     K = len(weights)
+    if z.ndim == 5 and z.shape[0] != K:
+        raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
     _check("z", z, (K, n_ang, 2, E, F), dev)
     _check("g_cos", g_cos, (E, FO, n_ang), dev)
     _check("g_sin", g_sin, (E, FO, n_ang), dev)
