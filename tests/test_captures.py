@@ -300,7 +300,7 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     from ecekern.captures import progress
 
     cfg = ecekern.ECEConfig(
-        lmax=1, channels=4, n_gated=1, n_interactions=1, cutoff=2.0,
+        lmax=1, channels=8, n_gated=1, n_interactions=1, cutoff=2.0,
         radial_hidden=8, readout_hidden=8,
     )  # fmt: skip
     out = tmp_path / "01_reference"
@@ -334,7 +334,10 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert rows[4]["zonal"] == "fused" and rows[4]["edge_frame"] == "packed"
     assert rows[4]["mode"] == "replay" and rows[5]["mode"] == "replay"
     assert rows[5]["cohorts"] == "True" and rows[4]["cohorts"] == "False"
-    assert rows[6]["system"] == "library defaults" and rows[6]["mode"] == "eager"
+    for i, (label, _) in enumerate(progress.CH6_STACKS, start=6):
+        assert rows[i]["system"] == label and rows[i]["mode"] == "replay"
+    n = 6 + len(progress.CH6_STACKS)
+    assert rows[n]["system"] == "library defaults" and rows[n]["mode"] == "eager"
     assert info["library_defaults"] == repr(ecekern.options.current())
     for label in progress.COMPILED:
         assert info[f"progress: {label}, 8 atoms, fp32"].startswith("skipped")
