@@ -34,9 +34,13 @@ Gradients: x, the weights and biases (skipped in a force step, which asks for th
 positions only). A second derivative (training on forces) recomputes the whole stack
 differentiably, at the plain stack's memory.
 
+With ``fused`` (a precision), the forward and a force step's backward are the layer
+kernels of :mod:`ecekern.cohorts.layers` (one Triton kernel per layer, the gate and
+residual in its epilogue, z kept in one tensor).
+
 Status: PyTorch level, any device and any ``linear``; while ``torch.compile`` traces,
 the plain stack is traced (the compiler plans its own memory). On by default for CUDA
-tensors (chapter 6's H200 captures: the step no slower, a quarter less peak memory).
+tensors, with the layer kernels in 3xTF32 for float32 (chapter 6's H200 captures).
 """
 
 from __future__ import annotations
@@ -77,8 +81,8 @@ def _stack_keep(x_cos, x_sin, params, K, linear):
 def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
     """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
     ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K;
-    ``fused`` (a precision): all rows by the fused kernel, followed by its one
-    ``z (K, 2, E, F, n_ang)``."""
+    ``fused`` (a precision): by the layer kernels, followed by their one
+    ``z (K, n_ang, 2, E, F)``."""
     if fused is not None:
         w, b = params[:K], params[K : 2 * K]
         return _layers.stack_forward(
@@ -206,7 +210,7 @@ class _CohortStack(torch.autograd.Function):
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
         if not double and not want and zs:  # a force step: from the kept z_k
-            if need_x and ctx.fused is not None:  # the fused kernel's one z
+            if need_x and ctx.fused is not None:  # the layer kernels' one z
                 dx_cos, dx_sin = _layers.stack_backward(
                     zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused,
                     ctx.cohort,
@@ -261,16 +265,15 @@ def mixing_stack(
         weight_out, bias_out: the output layer's ``(n_ang, F', F)``, ``(F',)`` or None.
         linear: the EquivariantLinear implementation, ``linear(x_cos, x_sin, weight,
             bias)`` (default: the reference's einsum).
-        cohort_edges: rows per cohort, a positive int (with ``fused``, the kernels
-            take every row, a tile at a time; the cohorts are those of a backward
-            that asks for parameter gradients).
+        cohort_edges: rows per cohort, a positive int (with ``fused``, also the
+            kernels' cohorts).
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
-        fused: None, or the forward and the force step's backward by the fused
-            kernels, :func:`ecekern.cohorts.fused.fused_forward` and
-            :func:`~ecekern.cohorts.fused.fused_backward`, at this ``tl.dot``
-            precision (``"ieee"``, ``"tf32"``, ``"tf32x3"``); they keep the
+        fused: None, or the forward and the force step's backward by the layer
+            kernels, :func:`ecekern.cohorts.layers.stack_forward` and
+            :func:`~ecekern.cohorts.layers.stack_backward`, at this precision
+            (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``); they keep the
             pre-activations, so they need ``recompute=False``. A call they cannot
             serve (device, dtype, widths) falls back, loudly, to ``linear``; a
             precision not in that list is a ValueError.
