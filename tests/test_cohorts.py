@@ -520,6 +520,10 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
             call()
     with pytest.raises(TypeError, match="dtype"):  # the linears' rule: no casts
         bwd(z, gc, gs, ws, wo.float())
+    with pytest.raises(TypeError, match="bias 2"):
+        fwd(xc, xs, ws, bs, wo, bo.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        bwd(z.transpose(3, 4).contiguous().transpose(3, 4), gc, gs, ws, wo)
 
 
 def test_cohort_precision_auto():

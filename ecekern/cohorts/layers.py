@@ -309,6 +309,8 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     for k, bk in enumerate([*biases, bias_out]):
         if bk is not None:
             _check(f"bias {k}", bk, (F if k < K else FO,), dev)
+            if bk.dtype != dt:
+                raise TypeError(f"bias {k} has dtype {bk.dtype} but the rows have {dt}")
     z = x_cos.new_empty((K, n_ang, 2, E, F))
     y_cos = x_cos.new_empty((E, FO, n_ang))
     y_sin = torch.empty_like(y_cos)
@@ -348,6 +350,8 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     if z.ndim == 5 and z.shape[0] != K:
         raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
     _check("z", z, (K, n_ang, 2, E, F), dev)
+    if not z.is_contiguous():
+        raise ValueError("z must be contiguous, as stack_forward returns it")
     _check("g_cos", g_cos, (E, FO, n_ang), dev)
     _check("g_sin", g_sin, (E, FO, n_ang), dev)
     dx_cos = g_cos.new_empty((E, F, n_ang), dtype=dt)
