@@ -25,6 +25,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+class _Constexpr:
+    """``tl.constexpr``: an annotation, or a module-level compile-time value."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+
 language = types.SimpleNamespace(
-    constexpr=object, float32="fp32", float64="fp64", int64="i64", int32="i32"
+    constexpr=_Constexpr, float32="fp32", float64="fp64", int64="i64", int32="i32"
 )
