@@ -298,7 +298,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (any strides);
     ``z (K, n_ang, 2, E, F)`` the pre-activations. The rows go through in cohorts
     of at most ``cohort_edges``, each copied into planes and back. ``tiles``:
-    ``(BE, BN, BK, warps, stages)`` instead of :data:`TILES`."""
+    ``(BE, BN, BK, warps, stages)`` instead of ``TILES``."""
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
     n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
