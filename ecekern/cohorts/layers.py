@@ -107,6 +107,20 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
     return acc
 
 
+@triton.jit
+def _tile(E, NOUT: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
+    """This program's ``BE`` edges ``e`` (int64) and ``BN`` output features from
+    ``n0`` (``n``, a row vector), with the row mask ``ok`` and its column ``okk``;
+    the ``NOUT / BN`` feature blocks of an edge block are neighbouring programs."""
+    NB: tl.constexpr = NOUT // BN
+    pid = tl.program_id(0)
+    e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
+    n0 = (pid % NB) * BN
+    n = n0 + tl.arange(0, BN)[None, :]
+    ok = e < E
+    return e, n0, n, ok, ok[:, None]
+
+
 @triton.jit(do_not_specialize=["E"])
 def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
@@ -116,16 +130,10 @@ def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
     """One layer for BE edges and BN outputs, planes in and out (``x[m, c, e, i]``
     at ``x + m s_m + c s_c + e width + i``): ``z = W u (+ b)``; with ``GATE``, z is
     kept and ``u + gate(z)`` is the output, else z is."""
-    NB: tl.constexpr = NOUT // BN
-    pid = tl.program_id(0)  # the BN-blocks of an edge block run side by side
     sa_m, sa_c = tl.cast(sa_m, tl.int64), tl.cast(sa_c, tl.int64)  # z: all E rows
     sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
     so_m, so_c = tl.cast(so_m, tl.int64), tl.cast(so_c, tl.int64)
-    e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
-    n0 = (pid % NB) * BN
-    n = n0 + tl.arange(0, BN)[None, :]
-    ok = e < E
-    okk = ok[:, None]
+    e, n0, n, ok, okk = _tile(E, NOUT, BE, BN)
     s = tl.zeros((BE, BN), DT)
     for m in tl.static_range(NA):  # m = 0 first: its cos row makes the gate
         for c in tl.static_range(2):  # cos, sin
@@ -156,18 +164,12 @@ def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, s
     """One stage of the backward for BE edges and BN features, planes as in the
     forward: ``du = W^T d (+ r)`` into u; with ``GATE``, also ``dz = gate'(z) du``
     for the layer below's kept z."""
-    NB: tl.constexpr = NOUT // BN
-    pid = tl.program_id(0)
     sd_m, sd_c = tl.cast(sd_m, tl.int64), tl.cast(sd_c, tl.int64)
     sr_m, sr_c = tl.cast(sr_m, tl.int64), tl.cast(sr_c, tl.int64)
     sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
     su_m, su_c = tl.cast(su_m, tl.int64), tl.cast(su_c, tl.int64)
     sdz_m, sdz_c = tl.cast(sdz_m, tl.int64), tl.cast(sdz_c, tl.int64)
-    e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
-    n0 = (pid % NB) * BN
-    n = n0 + tl.arange(0, BN)[None, :]
-    ok = e < E
-    okk = ok[:, None]
+    e, n0, n, ok, okk = _tile(E, NOUT, BE, BN)
     at = e[:, None] * NOUT + n
     t = tl.zeros((BE, BN), DT)  # sum over m >= 1 of du_m z_m
     for mi in tl.static_range(NA):
