@@ -171,7 +171,9 @@ class _Interaction(nn.Module):
 def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
     the layer's own EquivariantLinear path and the ``cohort_edges``,
-    ``cohort_recompute`` and ``cohort_fused`` options."""
+    ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
+    is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
+    stack skips it (``sin0_zero``)."""
     path, now = layer.out.path, options.current()
     fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
 
@@ -181,7 +183,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        now.cohort_edges, now.cohort_recompute, fused,
+        now.cohort_edges, now.cohort_recompute, fused, sin0_zero=True,
     )  # fmt: skip
 
 

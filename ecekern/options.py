@@ -68,12 +68,14 @@ class Options:
             pre-activations too, and a force step's backward runs no linear twice.
         cohort_fused: with ``cohorts``, the stack's forward and force backward by
             the layer kernels (:func:`ecekern.cohorts.layers.stack_forward`,
-            :func:`~ecekern.cohorts.layers.stack_backward`) at a precision:
-            ``"ieee"`` (strict fp32), ``"tf32x3"`` (fp32-accurate tensor cores),
-            ``"tf32"`` or ``"bf16"``; ``"off"`` runs the EquivariantLinears;
-            ``"auto"`` (the default) is ``"tf32x3"`` for float32 on CUDA (chapter 6:
-            force errors within 1.1x of strict fp32's, the step 1.7x faster) and
-            ``"off"`` otherwise, or with ``cohort_recompute``.
+            :func:`~ecekern.cohorts.layers.stack_backward`; with
+            ``cohort_recompute``,
+            :func:`~ecekern.cohorts.layers.stack_recompute_backward`) at a
+            precision: ``"ieee"`` (strict fp32), ``"tf32x3"`` (fp32-accurate tensor
+            cores), ``"tf32"`` or ``"bf16"``; ``"off"`` runs the
+            EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
+            float32 on CUDA (chapter 6: force errors within 1.1x of strict fp32's,
+            the step 1.7x faster) and ``"off"`` otherwise.
     """
 
     reference: bool = False
@@ -98,11 +100,6 @@ class Options:
         if self.cohort_fused not in COHORT_FUSED:
             raise ValueError(
                 f"cohort_fused must be one of {COHORT_FUSED}, got {self.cohort_fused!r}"
-            )
-        if self.cohort_fused not in ("off", "auto") and self.cohort_recompute:
-            raise ValueError(
-                "cohort_fused keeps the pre-activations: it needs "
-                "cohort_recompute=False"
             )
         if self.linear not in LINEAR_PATHS:
             raise ValueError(
@@ -202,11 +199,11 @@ def cohorts_on(device_type: str = "cuda") -> bool:
 def cohort_precision(device_type: str, dtype) -> str | None:
     """The layer kernels' precision for a mixing stack on ``device_type`` and
     ``dtype`` rows, or None for the EquivariantLinears (``"auto"``: ``"tf32x3"``
-    for float32 on CUDA without ``cohort_recompute``)."""
+    for float32 on CUDA)."""
     fused = _current.cohort_fused
     if fused == "auto":
         auto = device_type == "cuda" and dtype == torch.float32
-        return "tf32x3" if auto and not _current.cohort_recompute else None
+        return "tf32x3" if auto else None
     return None if fused == "off" else fused
 
 

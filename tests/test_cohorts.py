@@ -256,13 +256,19 @@ def test_compile_with_sizes_that_vary(sizes):
         (4, {"cohort_edges": 50}),
         (4, {"cohort_edges": 50, "cohort_recompute": True}),
         pytest.param(16, {"cohort_fused": "ieee"}, marks=needs_triton),
+        pytest.param(
+            16,
+            {"cohort_fused": "ieee", "cohort_recompute": True, "cohort_edges": 300},
+            marks=needs_triton,
+        ),  # fmt: skip
     ],
-    ids=["keep_z", "recompute", "fused"],
+    ids=["keep_z", "recompute", "fused", "fused-recompute"],
 )
 def test_model_with_cohorts_equals_without(channels, opts):
     """The model's step in cohorts equals the plain step in float64, keeping z,
-    recomputing, and with the fused forward (channels 16: F = 96, F' = 48, a
-    factor 16 in both)."""
+    recomputing, and with the layer kernels keeping z or recomputing it (channels
+    16: F = 96, F' = 48, a factor 16 in both); the model's stack skips the m = 0
+    sin part (``sin0_zero``), so this also checks that part is zero."""
     cfg = ecekern.ECEConfig(
         channels=channels, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
     )
@@ -294,8 +300,9 @@ def test_option_from_the_environment(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_model_with_cohorts_three_way():
-    """On CUDA with the library's fast linears in the recompute: float32 within the
-    three-way rule of float64, forces included."""
+    """On CUDA with the library's defaults (the layer kernels in 3xTF32), keeping z
+    and recomputing it: float32 within the three-way rule of float64, forces
+    included."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     atoms = ecekern.systems.diamond(2, rattle=0.2, seed=4)
@@ -326,14 +333,13 @@ def test_cohort_edges_option(monkeypatch):
         options.Options(cohort_edges=True)
     with pytest.raises(ValueError, match="cohort_fused"):
         options.Options(cohort_fused="fp8")
-    with pytest.raises(ValueError, match="cohort_recompute=False"):
-        options.Options(cohort_fused="ieee", cohort_recompute=True)
+    assert options.Options(cohort_fused="ieee", cohort_recompute=True)  # kernels too
     seen = []
     real = cohorts.mixing_stack
 
-    def spy(*args):
+    def spy(*args, **kw):
         seen.append(args[7])  # cohort_edges
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(cohorts, "mixing_stack", spy)
     cfg = ecekern.ECEConfig(channels=2, n_gated=1, radial_hidden=4, readout_hidden=4)
@@ -380,20 +386,64 @@ def _fwd_and_force_bwd(fn, x, *args, seed=3):
         (130, 2, 3, False, 64),
     ],  # fmt: skip
 )
-def test_layers_fp64_match_reference(E, K, n_ang, bias, cohort):
-    """Forward and the force step's backward (from the z_k the kernels keep), with
-    tail tiles (64 edges a tile), one cohort and several (37 rows in cohorts of 16:
-    16, 16, 5), no gated layer, one order."""
+@pytest.mark.parametrize(
+    "recompute, sin0", [(False, False), (True, False), (False, True), (True, True)],
+    ids=["keep_z", "recompute", "keep_z-sin0", "recompute-sin0"],
+)  # fmt: skip
+def test_layers_fp64_match_reference(E, K, n_ang, bias, cohort, recompute, sin0):
+    """Forward and the force step's backward (from the z_k the kernels keep, or
+    recomputing them a cohort at a time), with tail tiles (64 edges a tile), one
+    cohort and several (37 rows in cohorts of 16: 16, 16, 5), no gated layer, one
+    order. With ``sin0_zero`` against the reference on x_sin with its m = 0 column
+    zeroed: the inputs' column (and the output gradient's) is not zero here, so a
+    kernel that read it, or a dx_sin[..., 0] that is not zero, fails."""
     x, *args = _fused_args(E, K, n_ang, bias)
     got = _fwd_and_force_bwd(
-        lambda *a: cohorts.mixing_stack(*a, fused="ieee", cohort_edges=cohort),
+        lambda *a: cohorts.mixing_stack(*a, fused="ieee", cohort_edges=cohort,
+                                        recompute=recompute, sin0_zero=sin0),
         x, *args,
     )  # fmt: skip
-    ref = _fwd_and_force_bwd(reference.mixing_stack, x, *args)
+    ref = _fwd_and_force_bwd(_reference_sin0 if sin0 else reference.mixing_stack,
+                             x, *args)  # fmt: skip
     for a, b in zip(got, ref, strict=True):
         assert a.shape == b.shape
         if b.numel():
             assert rel_err(a, b) < 1e-12
+    if sin0 and E:
+        assert not got[1][..., 0].any() and not got[3][..., 0].any()
+
+
+def _reference_sin0(x_cos, x_sin, *args):
+    """The reference stack on x_sin with its m = 0 column zeroed (differentiably)."""
+    zeroed = torch.cat([torch.zeros_like(x_sin[..., :1]), x_sin[..., 1:]], -1)
+    return reference.mixing_stack(x_cos, zeroed, *args)
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [None, "ieee"], ids=["linears", "kernels"])
+def test_sin0_zero_parameter_and_second_derivatives(fused):
+    """``sin0_zero`` on every path that does not go through the force-step kernels:
+    parameter gradients (recomputed cohorts), the linears' own path, and a second
+    derivative, equal to the reference on the zeroed column in float64."""
+    x, ws, bs, wo, bo = _stack_args(40, F=32, Fo=16, n_ang=3, K=2)
+    params = [*x, *ws, *bs, wo, bo]
+    fn = functools.partial(cohorts.mixing_stack, fused=fused, cohort_edges=16,
+                           sin0_zero=True)  # fmt: skip
+
+    def grads(f, create_graph=False):
+        y = f(*x, ws, bs, wo, bo)
+        g = torch.Generator().manual_seed(5)
+        gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
+        return torch.autograd.grad(y, params, gy, create_graph=create_graph)
+
+    for a, b in zip(grads(fn), grads(_reference_sin0), strict=True):
+        assert rel_err(a, b) < 1e-12
+    (dxc, *_), (rxc, *_) = grads(fn, True), grads(_reference_sin0, True)
+    v = torch.randn_like(dxc)
+    for a, b in zip(torch.autograd.grad((dxc * v).sum(), params, allow_unused=True),
+                    torch.autograd.grad((rxc * v).sum(), params, allow_unused=True),
+                    strict=True):  # fmt: skip
+        assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-12)
 
 
 @needs_triton
@@ -461,8 +511,10 @@ from triton.compiler import ASTSource
 from ecekern.cohorts import layers
 for prec in ("tf32x3", "bf16"):
     BE, BN, BK, warps, stages = layers.TILES[prec]
-    for kernel, flags in ((layers._layer_fwd_kernel, dict(GATE=True, HAS_B=True)),
-                          (layers._layer_bwd_kernel, dict(RES=True, GATE=True))):
+    for kernel, flags in (
+            (layers._layer_fwd_kernel, dict(GATE=True, HAS_B=True, KEEP=True)),
+            (layers._layer_bwd_kernel, dict(RES=True, GATE=True))):
+        flags["SIN0"] = True
         names = kernel.arg_names
         c = dict(KIN=192, NOUT=192, NA=3, BE=BE, BN=BN, BK=BK, PREC=prec,
                  DT=tl.float32, **flags)
@@ -527,14 +579,15 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
 
 
 def test_cohort_precision_auto():
-    """``cohort_fused="auto"``: 3xTF32 for float32 on CUDA, the linears otherwise
-    (float64, the CPU, or with ``cohort_recompute``); a named precision is used."""
+    """``cohort_fused="auto"``: 3xTF32 for float32 on CUDA (with or without
+    ``cohort_recompute``), the linears otherwise (float64, the CPU); a named
+    precision is used."""
     with options.use(cohort_fused="auto"):
         assert options.cohort_precision("cuda", torch.float32) == "tf32x3"
         assert options.cohort_precision("cuda", torch.float64) is None
         assert options.cohort_precision("cpu", torch.float32) is None
     with options.use(cohort_fused="auto", cohort_recompute=True):
-        assert options.cohort_precision("cuda", torch.float32) is None
+        assert options.cohort_precision("cuda", torch.float32) == "tf32x3"
     with options.use(cohort_fused="ieee"):
         assert options.cohort_precision("cpu", torch.float64) == "ieee"
     with options.use(cohort_fused="off"):
@@ -543,7 +596,8 @@ def test_cohort_precision_auto():
 
 def test_fused_cannot_serve_falls_back_loudly():
     """A shape, dtype or precision the kernel cannot serve runs the linears instead,
-    with a FallbackWarning; fused with recompute is an error."""
+    with a FallbackWarning; a precision that is not one, or a sin0_zero that is not
+    a bool, is an error."""
     x, *args = _fused_args(9, 1, 2, True, F=24, Fo=12)  # no factor 16 in 24 and 12
     ref = reference.mixing_stack(*x, *args)
     with pytest.warns(options.FallbackWarning, match="fused"):
@@ -555,8 +609,8 @@ def test_fused_cannot_serve_falls_back_loudly():
     for bad in ("fp8", "IEEE", "off", "", True, ["ieee"]):  # not a precision
         with pytest.raises(ValueError, match="fused must be"):
             cohorts.mixing_stack(*x, *args, fused=bad)
-    with pytest.raises(ValueError, match="recompute"):
-        cohorts.mixing_stack(*x, *args, fused="ieee", recompute=True)
+    with pytest.raises(TypeError, match="sin0_zero"):
+        cohorts.mixing_stack(*x, *args, fused="ieee", sin0_zero=1)
 
 
 @pytest.mark.gpu

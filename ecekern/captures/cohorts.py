@@ -46,13 +46,16 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
-#: The layer kernels' rows of the ``stack`` part: (label, precision).
+#: The layer kernels' rows of the ``stack`` part: (label, precision); they skip the
+#: m = 0 sin part as the model does (``sin0_zero``).
 FUSED = (
     ("layers ieee", "ieee"),
     ("layers tf32x3", "tf32x3"),
     ("layers tf32", "tf32"),
     ("layers bf16", "bf16"),
 )
+#: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
+FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)
 
 
 def capture(
@@ -113,6 +116,8 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         gy.append(torch.randn_like(gy[0]))
         cases = [(*c, None) for c in COHORTS]
         cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
+        label, p, c = FUSED_RECOMPUTE
+        cases.append((label, c, True, p))
         for label, cohort, recompute, fused in cases:
             why = fused and why_not_layers(x[0], layer.out.weight, fused)
             if why:  # the interpreter's tiny model: widths without a factor 16
@@ -130,7 +135,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     y = cohorts.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
                         equivariant_linear, cohort_edges=cohort, recompute=recompute,
-                        fused=fused,
+                        fused=fused, sin0_zero=fused is not None,
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 
@@ -159,11 +164,21 @@ STEP_CASES = (
     ("plain", {"cohorts": False}),
     ("keep z", {"cohorts": True, "cohort_edges": 8192, "cohort_fused": "off"}),
     ("keep z", {"cohorts": True, "cohort_edges": 65536, "cohort_fused": "off"}),
-    ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True}),
+    ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True,
+                   "cohort_fused": "off"}),  # fmt: skip
     *((label, {"cohorts": True, "cohort_fused": p}) for label, p in FUSED),
+    (
+        FUSED_RECOMPUTE[0],
+        {
+            "cohorts": True,
+            "cohort_fused": FUSED_RECOMPUTE[1],
+            "cohort_recompute": True,
+            "cohort_edges": FUSED_RECOMPUTE[2],
+        },
+    ),  # fmt: skip
 )
 #: The ``memory`` part's cases, from :data:`STEP_CASES`.
-MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3")
+MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3", FUSED_RECOMPUTE[0])
 
 
 def _steps(out: Path, reps: list[int]) -> str:

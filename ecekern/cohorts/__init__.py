@@ -78,16 +78,18 @@ def _stack_keep(x_cos, x_sin, params, K, linear):
     return (*linear(u_cos, u_sin, params[2 * K], params[2 * K + 1]), *zs)
 
 
-def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
+def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None, sin0=False):
     """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
     ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K;
-    ``fused`` (a precision): by the layer kernels, followed by their one
-    ``z (K, n_ang, 2, E, F)``."""
+    ``fused`` (a precision): by the layer kernels, followed with ``keep`` by their
+    one ``z (K, n_ang, 2, E, F)`` (``sin0``: the m = 0 sin part skipped)."""
     if fused is not None:
         w, b = params[:K], params[K : 2 * K]
-        return _layers.stack_forward(
-            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused, cohort
-        )
+        y_cos, y_sin, z = _layers.stack_forward(
+            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused, cohort,
+            keep=keep, sin0_zero=sin0,
+        )  # fmt: skip
+        return (y_cos, y_sin, z) if keep else (y_cos, y_sin)
     E = x_cos.shape[0]
     run = _stack_keep if keep else _stack
     if E <= cohort:
@@ -101,6 +103,12 @@ def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None):
         for o, t in zip(out, got, strict=True):
             o[a:b] = t
     return out
+
+
+def _zeroed(x_sin):
+    """``x_sin`` with its m = 0 column zero, out of place and differentiably (its
+    gradient there is zero)."""
+    return torch.nn.functional.pad(x_sin[..., 1:], (1, 0))
 
 
 def _gate_backward(z_cos, z_sin, du_cos, du_sin):
@@ -177,19 +185,22 @@ def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need
 
 class _CohortStack(torch.autograd.Function):
     """``(x_cos, x_sin, linear, cohort, recompute, fused, K, *params) -> (y_cos,
-    y_sin)``,
-    rows ``(E, F, n_ang)``; params = K weights, K biases, the output weight and bias.
-    Saved: x, the params and, unless ``recompute``, the pre-activations z_k."""
+    y_sin)``, rows ``(E, F, n_ang)``; params = K weights, K biases, the output
+    weight and bias. Saved: x, the params and, unless ``recompute``, the
+    pre-activations z_k. With ``fused`` the m = 0 sin part is taken as zero
+    (the caller has zeroed it: :func:`mixing_stack` with ``sin0_zero``)."""
 
     @staticmethod
     def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, K, *params):
         keep = not recompute
+        sin0 = fused is not None and fused[1]
+        fused = None if fused is None else fused[0]
         y_cos, y_sin, *zs = _forward(
-            x_cos, x_sin, params, K, linear, cohort, keep, fused
+            x_cos, x_sin, params, K, linear, cohort, keep, fused, sin0
         )
         ctx.save_for_backward(x_cos, x_sin, *params, *zs)
         ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
-        ctx.fused = fused
+        ctx.fused, ctx.sin0 = fused, sin0
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
         return y_cos, y_sin
 
@@ -209,20 +220,30 @@ class _CohortStack(torch.autograd.Function):
         ]
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
-        if not double and not want and zs:  # a force step: from the kept z_k
-            if need_x and ctx.fused is not None:  # the layer kernels' one z
+        x_eff = x_sin  # what the forward computed on (the kernels: x_sin[..., 0] = 0)
+        if ctx.sin0:
+            with torch.enable_grad():
+                x_eff = _zeroed(x_sin)
+        if not double and not want and ctx.fused is not None:  # the layer kernels
+            if need_x and zs:  # from their one kept z
                 dx_cos, dx_sin = _layers.stack_backward(
                     zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused,
-                    ctx.cohort,
+                    ctx.cohort, sin0_zero=ctx.sin0,
                 )  # fmt: skip
-            elif need_x:
+            elif need_x:  # recomputing each cohort's z from x
+                dx_cos, dx_sin = _layers.stack_recompute_backward(
+                    x_cos, x_sin, g_cos, g_sin, params[:K], params[K : 2 * K],
+                    params[2 * K], ctx.fused, ctx.cohort, sin0_zero=ctx.sin0,
+                )  # fmt: skip
+        elif not double and not want and zs:  # a force step: from the kept z_k
+            if need_x:
                 dx_cos, dx_sin = _input_backward(
                     zs, g_cos, g_sin, params, K, linear, ctx.cohort
                 )
         elif double:  # a second derivative: the whole stack, differentiably
             xs = [x_cos, x_sin] if need_x else []
             with torch.enable_grad():
-                y = _stack(x_cos, x_sin, params, K, linear)
+                y = _stack(x_cos, x_eff, params, K, linear)
                 wrt = xs + [params[i] for i in want]
                 got = torch.autograd.grad(
                     y, wrt, (g_cos, g_sin), create_graph=True, allow_unused=True
@@ -233,9 +254,11 @@ class _CohortStack(torch.autograd.Function):
                 grads_p[i] = torch.zeros_like(params[i]) if g is None else g
         else:
             dx_cos, dx_sin, grads_p = _cohort_backward(
-                x_cos, x_sin, params, g_cos, g_sin, K, linear, ctx.cohort, need_x,
-                want,
+                x_cos, x_eff.detach(), params, g_cos, g_sin, K, linear, ctx.cohort,
+                need_x, want,
             )  # fmt: skip
+            if ctx.sin0 and dx_sin is not None:
+                dx_sin[..., 0] = 0  # the forward did not depend on x_sin[..., 0]
         if not ctx.needs_input_grad[0]:
             dx_cos = None
         if not ctx.needs_input_grad[1]:
@@ -254,6 +277,7 @@ def mixing_stack(
     cohort_edges: int = COHORT_EDGES,
     recompute: bool = False,
     fused: str | None = None,
+    sin0_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixing stack of :func:`ecekern.reference.mixing_stack` (same arguments and
     result), its backward in cohorts of at most ``cohort_edges`` rows.
@@ -272,11 +296,16 @@ def mixing_stack(
             backward runs no linear of the forward again).
         fused: None, or the forward and the force step's backward by the layer
             kernels, :func:`ecekern.cohorts.layers.stack_forward` and
-            :func:`~ecekern.cohorts.layers.stack_backward`, at this precision
-            (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``); they keep the
-            pre-activations, so they need ``recompute=False``. A call they cannot
-            serve (device, dtype, widths) falls back, loudly, to ``linear``; a
-            precision not in that list is a ValueError.
+            :func:`~ecekern.cohorts.layers.stack_backward` (with ``recompute``,
+            :func:`~ecekern.cohorts.layers.stack_recompute_backward`), at this
+            precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``). A call
+            they cannot serve (device, dtype, widths) falls back, loudly, to
+            ``linear``; a precision not in that list is a ValueError.
+        sin0_zero: compute on ``x_sin`` with its m = 0 column taken as zero (the
+            m = 0 order has no sin part; the edge frame's rows are built so).
+            Then ``y_sin[..., 0] = 0`` and the gradient to ``x_sin[..., 0]`` is
+            zero, and the layer kernels skip the m = 0 sin products: a sixth of
+            their work.
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
@@ -289,6 +318,8 @@ def mixing_stack(
         raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    if not isinstance(sin0_zero, bool):
+        raise TypeError(f"sin0_zero must be a bool, got {sin0_zero!r}")
     if fused is not None and (
         not isinstance(fused, str) or fused not in _layers.PRECISIONS
     ):
@@ -320,6 +351,8 @@ def mixing_stack(
             )
     linear = linear or reference.equivariant_linear
     if torch.compiler.is_compiling():
+        if sin0_zero:
+            x_sin = _zeroed(x_sin)
         return reference.mixing_stack(
             x_cos, x_sin, weights, biases, weight_out, bias_out, linear
         )
@@ -328,21 +361,21 @@ def mixing_stack(
     xc, xs = x_cos.reshape(rows), x_sin.reshape(rows)
     params = (*weights, *biases, weight_out, bias_out)
     if fused is not None:
-        if recompute:
-            raise ValueError(
-                "fused keeps the pre-activations: it needs recompute=False"
-            )
         why = _layers.why_not_layers(xc, weight_out, fused)
         if why:
             options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
             fused = None
+    if sin0_zero and fused is None:  # the linears compute on the zeroed column
+        xs = _zeroed(xs)
+    K, cohort = len(weights), int(cohort_edges)
     if not torch.is_grad_enabled():  # no_grad, inference_mode: nothing to keep
         y_cos, y_sin, *_ = _forward(
-            xc, xs, params, len(weights), linear, int(cohort_edges), False, fused
+            xc, xs, params, K, linear, cohort, False, fused, sin0_zero
         )
     else:
+        kernels = None if fused is None else (fused, sin0_zero)
         y_cos, y_sin = _CohortStack.apply(
-            xc, xs, linear, int(cohort_edges), recompute, fused, len(weights), *params
+            xc, xs, linear, cohort, recompute, kernels, K, *params
         )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]

@@ -55,7 +55,13 @@ import torch
 
 from .._triton import INTERPRET, tl, triton, why_not_triton
 
-__all__ = ["PRECISIONS", "stack_backward", "stack_forward", "why_not_layers"]
+__all__ = [
+    "PRECISIONS",
+    "stack_backward",
+    "stack_forward",
+    "stack_recompute_backward",
+    "why_not_layers",
+]
 
 #: Precisions of the products: ``tl.dot``'s input precisions, and bf16 operands.
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
@@ -125,11 +131,13 @@ def _tile(E, NOUT: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
 def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
                       BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GATE: tl.constexpr, HAS_B: tl.constexpr, PREC: tl.constexpr,
+                      GATE: tl.constexpr, HAS_B: tl.constexpr, KEEP: tl.constexpr,
+                      SIN0: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):  # fmt: skip
     """One layer for BE edges and BN outputs, planes in and out (``x[m, c, e, i]``
-    at ``x + m s_m + c s_c + e width + i``): ``z = W u (+ b)``; with ``GATE``, z is
-    kept and ``u + gate(z)`` is the output, else z is."""
+    at ``x + m s_m + c s_c + e width + i``): ``z = W u (+ b)``; with ``GATE``,
+    ``u + gate(z)`` is the output (and z is kept with ``KEEP``), else z is. With
+    ``SIN0`` the m = 0 sin planes are zero and are neither read nor written."""
     sa_m, sa_c = tl.cast(sa_m, tl.int64), tl.cast(sa_c, tl.int64)  # z: all E rows
     sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
     so_m, so_c = tl.cast(so_m, tl.int64), tl.cast(so_c, tl.int64)
@@ -137,21 +145,23 @@ def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
     s = tl.zeros((BE, BN), DT)
     for m in tl.static_range(NA):  # m = 0 first: its cos row makes the gate
         for c in tl.static_range(2):  # cos, sin
-            src = a + m * sa_m + c * sa_c
-            acc = _mm(src, e, ok, w + m * NOUT * KIN, KIN, n0, KIN, BE, BN, BK, PREC,
-                      DT)  # fmt: skip
-            if HAS_B and m == 0 and c == 0:
-                acc += tl.load(b + n)
-            at = e[:, None] * NOUT + n
-            if GATE:
-                tl.store(z + m * sz_m + c * sz_c + at, acc, mask=okk)
-                if m == 0 and c == 0:  # SiLU on p
-                    s = tl.sigmoid(acc)
-                    acc = acc * s
-                elif m > 0:  # the m = 0 sin rows pass ungated
-                    acc = acc * s
-                acc += tl.load(src + at, mask=okk, other=0.0)  # the residual (F_in = F)
-            tl.store(o + m * so_m + c * so_c + at, acc, mask=okk)
+            if m > 0 or c == 0 or not SIN0:
+                src = a + m * sa_m + c * sa_c
+                acc = _mm(src, e, ok, w + m * NOUT * KIN, KIN, n0, KIN, BE, BN, BK,
+                          PREC, DT)  # fmt: skip
+                if HAS_B and m == 0 and c == 0:
+                    acc += tl.load(b + n)
+                at = e[:, None] * NOUT + n
+                if GATE:
+                    if KEEP:
+                        tl.store(z + m * sz_m + c * sz_c + at, acc, mask=okk)
+                    if m == 0 and c == 0:  # SiLU on p
+                        s = tl.sigmoid(acc)
+                        acc = acc * s
+                    elif m > 0:  # the m = 0 sin rows pass ungated
+                        acc = acc * s
+                    acc += tl.load(src + at, mask=okk, other=0.0)  # residual, F_in = F
+                tl.store(o + m * so_m + c * so_c + at, acc, mask=okk)
 
 
 @triton.jit(do_not_specialize=["E"])
@@ -159,11 +169,11 @@ def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, s
                       dz, sdz_m, sdz_c, E,
                       KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
                       BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      RES: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-                      DT: tl.constexpr):  # fmt: skip
+                      RES: tl.constexpr, GATE: tl.constexpr, SIN0: tl.constexpr,
+                      PREC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     """One stage of the backward for BE edges and BN features, planes as in the
     forward: ``du = W^T d (+ r)`` into u; with ``GATE``, also ``dz = gate'(z) du``
-    for the layer below's kept z."""
+    for the layer below's kept z. ``SIN0``: the m = 0 sin planes are skipped."""
     sd_m, sd_c = tl.cast(sd_m, tl.int64), tl.cast(sd_c, tl.int64)
     sr_m, sr_c = tl.cast(sr_m, tl.int64), tl.cast(sr_c, tl.int64)
     sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
@@ -176,22 +186,24 @@ def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, s
         m = (mi + 1) % NA  # m = 1 .. n_ang - 1, then 0 (a constexpr)
         for cc in tl.static_range(2):
             c = 1 - cc  # sin, then cos: m = 0's cos is the very last
-            acc = _mm(d + m * sd_m + c * sd_c, e, ok, w + m * KIN * NOUT, KIN, n0,
-                      KIN, BE, BN, BK, PREC, DT)  # fmt: skip
-            if RES:
-                acc += tl.load(r + m * sr_m + c * sr_c + at, mask=okk, other=0.0)
-            tl.store(u + m * su_m + c * su_c + at, acc, mask=okk)
-            if GATE:
-                if m > 0 or c == 0:  # (the m = 0 sin rows pass ungated)
-                    p = tl.load(z + at, mask=okk, other=0.0)  # m = 0, cos
-                    sg = tl.sigmoid(p)
-                    if m > 0:
-                        zm = tl.load(z + m * sz_m + c * sz_c + at, mask=okk, other=0.0)
-                        t += acc * zm
-                        acc = acc * sg
-                    else:
-                        acc = acc * sg + (acc * p + t) * (sg * (1 - sg))
-                tl.store(dz + m * sdz_m + c * sdz_c + at, acc, mask=okk)
+            if m > 0 or c == 0 or not SIN0:
+                acc = _mm(d + m * sd_m + c * sd_c, e, ok, w + m * KIN * NOUT, KIN, n0,
+                          KIN, BE, BN, BK, PREC, DT)  # fmt: skip
+                if RES:
+                    acc += tl.load(r + m * sr_m + c * sr_c + at, mask=okk, other=0.0)
+                tl.store(u + m * su_m + c * su_c + at, acc, mask=okk)
+                if GATE:
+                    if m > 0 or c == 0:  # (the m = 0 sin rows pass ungated)
+                        p = tl.load(z + at, mask=okk, other=0.0)  # m = 0, cos
+                        sg = tl.sigmoid(p)
+                        if m > 0:
+                            zm = tl.load(z + m * sz_m + c * sz_c + at, mask=okk,
+                                         other=0.0)  # fmt: skip
+                            t += acc * zm
+                            acc = acc * sg
+                        else:
+                            acc = acc * sg + (acc * p + t) * (sg * (1 - sg))
+                    tl.store(dz + m * sdz_m + c * sdz_c + at, acc, mask=okk)
 
 
 # --------------------------------------------------------------------------------------
@@ -280,32 +292,32 @@ def _cohorts(E: int, cohort_edges: int):
     return [(a, min(a + cohort_edges, E)) for a in range(0, E, cohort_edges)]
 
 
-def _in(buf, a_cos, a_sin):
-    """Rows ``(n, F, n_ang)`` into the first n rows of planes ``buf``."""
+def _in(buf, a_cos, a_sin, sin0: bool):
+    """Rows ``(n, F, n_ang)`` into the first n rows of planes ``buf`` (with ``sin0``
+    not the m = 0 sin plane, which the kernels then never read)."""
     n = a_cos.shape[0]
     buf[:, 0, :n].copy_(a_cos.permute(2, 0, 1))
-    buf[:, 1, :n].copy_(a_sin.permute(2, 0, 1))
+    buf[int(sin0) :, 1, :n].copy_(a_sin[..., int(sin0) :].permute(2, 0, 1))
     return buf[:, :, :n]
 
 
-def _out(buf, n, o_cos, o_sin):
-    """The first n rows of planes ``buf`` out into rows ``(n, F, n_ang)``."""
+def _out(buf, n, o_cos, o_sin, sin0: bool):
+    """The first n rows of planes ``buf`` out into rows ``(n, F, n_ang)`` (with
+    ``sin0``, zeros for the m = 0 sin plane, which the kernels did not write)."""
     o_cos.copy_(buf[:, 0, :n].permute(1, 2, 0))
-    o_sin.copy_(buf[:, 1, :n].permute(1, 2, 0))
+    o_sin[..., int(sin0) :].copy_(buf[int(sin0) :, 1, :n].permute(1, 2, 0))
+    if sin0:
+        o_sin[..., 0].zero_()
 
 
-def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
-                  precision: str = "ieee", cohort_edges: int = COHORT_EDGES,
-                  tiles=None):  # fmt: skip
-    """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (any strides);
-    ``z (K, n_ang, 2, E, F)`` the pre-activations. The rows go through in cohorts
-    of at most ``cohort_edges``, each copied into planes and back. ``tiles``:
-    ``(BE, BN, BK, warps, stages)`` instead of ``TILES``."""
-    E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
-    K = len(weights)
-    n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
-    _check("x_cos", x_cos, (E, F, n_ang), dev)
-    _check("x_sin", x_sin, (E, F, n_ang), dev)
+def _check_rows(E, F, n_ang, dev, dt, **rows):
+    for name, t in rows.items():
+        _check(name, t, (E, F, n_ang), dev)
+        if t.dtype != dt:
+            raise TypeError(f"{name} has dtype {t.dtype}, the weights {dt}")
+
+
+def _check_biases(biases, bias_out, K, F, FO, dev, dt):
     if len(biases) != K:
         raise ValueError(f"{len(biases)} biases for {K} weights")
     for k, bk in enumerate([*biases, bias_out]):
@@ -313,7 +325,61 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
             _check(f"bias {k}", bk, (F if k < K else FO,), dev)
             if bk.dtype != dt:
                 raise TypeError(f"bias {k} has dtype {bk.dtype} but the rows have {dt}")
-    z = x_cos.new_empty((K, n_ang, 2, E, F))
+
+
+def _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles, dt,
+                    keep, sin0):  # fmt: skip
+    """The gated layers (``K = len(bs) - 1``) and the output layer on one cohort's
+    planes ``src`` (n rows), through the two ``u`` buffers into ``yp``; z into
+    ``zk (K, n_ang, 2, n, F)`` with ``keep``. ``yp`` None: the gated layers only,
+    the output layer's weight and bias are not used."""
+    K = len(bs) - 1
+    for k in range(K + 1 if yp is not None else K):
+        last = k == K
+        dst = yp[:, :, :n] if last else u[(k + 1) % 2][:, :, :n]
+        z = zk[min(k, K - 1)] if K and keep else dst
+        _launch(_layer_fwd_kernel, n, FO if last else F, precision, tiles,
+                *_planes(src), ws[k], ws[k] if bs[k] is None else bs[k],
+                z, z.stride(0), z.stride(1), *_planes(dst),
+                KIN=F, NA=n_ang, GATE=not last, HAS_B=bs[k] is not None,
+                KEEP=keep, SIN0=sin0, DT=_dt(dt))  # fmt: skip
+        src = dst
+
+
+def _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision, tiles, dt,
+                     sin0):  # fmt: skip
+    """The backward of one cohort from the output gradient's planes ``src`` and its
+    kept ``zk (K, n_ang, 2, n, F)``: the planes of dx (one of ``du``)."""
+    K, res = len(wt) - 1, None
+    for i, k in enumerate(reversed(range(K + 1))):  # W_out, then W_K .. W_1
+        gate = k > 0  # dz for the layer below, from its z
+        out, dzk = du[i % 2][:, :, :n], dz[i % 2][:, :, :n]
+        z = zk[k - 1] if gate else out
+        r = out if res is None else res
+        _launch(_layer_bwd_kernel, n, F, precision, tiles,
+                *_planes(src), wt[k], *_planes(r),
+                z, z.stride(0), z.stride(1), *_planes(out), *_planes(dzk),
+                KIN=FO if k == K else F, NA=n_ang, RES=res is not None,
+                GATE=gate, SIN0=sin0, DT=_dt(dt))  # fmt: skip
+        src, res = dzk, out
+    return res
+
+
+def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
+                  precision: str = "ieee", cohort_edges: int = COHORT_EDGES,
+                  tiles=None, keep: bool = True, sin0_zero: bool = False):  # fmt: skip
+    """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (any strides);
+    ``z (K, n_ang, 2, E, F)`` the pre-activations (None unless ``keep``). The rows
+    go through in cohorts of at most ``cohort_edges``, each copied into planes and
+    back. ``tiles``: ``(BE, BN, BK, warps, stages)`` instead of ``TILES``.
+    ``sin0_zero``: ``x_sin[..., 0]`` is taken as zero (not read), so that the m = 0
+    sin part of every layer is zero and skipped: ``y_sin[..., 0] = 0``."""
+    E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
+    K = len(weights)
+    n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
+    _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
+    _check_biases(biases, bias_out, K, F, FO, dev, dt)
+    z = x_cos.new_empty((K, n_ang, 2, E, F)) if keep else None
     y_cos = x_cos.new_empty((E, FO, n_ang))
     y_sin = torch.empty_like(y_cos)
     spans = _cohorts(E, cohort_edges)
@@ -326,59 +392,92 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     yp = x_cos.new_empty((n_ang, 2, c, FO))
     for a, b in spans:
         n = b - a
-        src = _in(u[0], x_cos[a:b], x_sin[a:b])
-        for k in range(K + 1):
-            last = k == K
-            dst = yp[:, :, :n] if last else u[(k + 1) % 2][:, :, :n]
-            zk = z[min(k, K - 1), :, :, a:b] if K else dst
-            _launch(_layer_fwd_kernel, n, FO if last else F, precision, tiles,
-                    *_planes(src), ws[k], ws[k] if bs[k] is None else bs[k],
-                    zk, zk.stride(0), zk.stride(1), *_planes(dst),
-                    KIN=F, NA=n_ang, GATE=not last, HAS_B=bs[k] is not None,
-                    DT=_dt(dt))  # fmt: skip
-            src = dst
-        _out(yp, n, y_cos[a:b], y_sin[a:b])
+        src = _in(u[0], x_cos[a:b], x_sin[a:b], sin0_zero)
+        zk = z[:, :, :, a:b] if keep else None
+        _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles,
+                        dt, keep, sin0_zero)  # fmt: skip
+        _out(yp, n, y_cos[a:b], y_sin[a:b], sin0_zero)
     return y_cos, y_sin, z
 
 
+def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
+    n_ang, FO, F = _checked(g_cos, weights, weight_out, precision, dt)
+    _check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
+    wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
+    return n_ang, FO, F, wt
+
+
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
-                   cohort_edges: int = COHORT_EDGES, tiles=None):  # fmt: skip
+                   cohort_edges: int = COHORT_EDGES, tiles=None,
+                   sin0_zero: bool = False):  # fmt: skip
     """``(dx_cos, dx_sin)``, each ``(E, F, n_ang)``, of the stack for the output
     gradient ``g (E, F', n_ang)`` (any strides), from the pre-activations ``z`` that
-    :func:`stack_forward` kept (no parameter gradients); in cohorts as there."""
+    :func:`stack_forward` kept (no parameter gradients); in cohorts as there. With
+    ``sin0_zero`` (as the forward had it), ``g_sin[..., 0]`` is not read and
+    ``dx_sin[..., 0] = 0``."""
     E, dev, dt = g_cos.shape[0], g_cos.device, z.dtype
-    n_ang, FO, F = _checked(z, weights, weight_out, precision, dt)
     K = len(weights)
     if z.ndim == 5 and z.shape[0] != K:
         raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
+    n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
+                                       dt, E)  # fmt: skip
     _check("z", z, (K, n_ang, 2, E, F), dev)
     if not z.is_contiguous():
         raise ValueError("z must be contiguous, as stack_forward returns it")
-    _check("g_cos", g_cos, (E, FO, n_ang), dev)
-    _check("g_sin", g_sin, (E, FO, n_ang), dev)
-    dx_cos = g_cos.new_empty((E, F, n_ang), dtype=dt)
+    dx_cos = g_cos.new_empty((E, F, n_ang))
     dx_sin = torch.empty_like(dx_cos)
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return dx_cos, dx_sin
     c = spans[0][1]
-    wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
     gp = dx_cos.new_empty((n_ang, 2, c, FO))
     du = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
     dz = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
     for a, b in spans:
         n = b - a
-        src, res = _in(gp, g_cos[a:b], g_sin[a:b]), None
-        for i, k in enumerate(reversed(range(K + 1))):  # W_out, then W_K .. W_1
-            gate = k > 0  # dz for the layer below, from its z
-            out, dzk = du[i % 2][:, :, :n], dz[i % 2][:, :, :n]
-            zk = z[k - 1, :, :, a:b] if gate else out
-            r = out if res is None else res
-            _launch(_layer_bwd_kernel, n, F, precision, tiles,
-                    *_planes(src), wt[k], *_planes(r),
-                    zk, zk.stride(0), zk.stride(1), *_planes(out), *_planes(dzk),
-                    KIN=FO if k == K else F, NA=n_ang, RES=res is not None,
-                    GATE=gate, DT=_dt(dt))  # fmt: skip
-            src, res = dzk, out
-        _out(res, n, dx_cos[a:b], dx_sin[a:b])
+        src = _in(gp, g_cos[a:b], g_sin[a:b], sin0_zero)
+        res = _backward_cohort(src, n, z[:, :, :, a:b], wt, du, dz, F, FO, n_ang,
+                               precision, tiles, dt, sin0_zero)  # fmt: skip
+        _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
+    return dx_cos, dx_sin
+
+
+def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
+                             weight_out, precision: str = "ieee",
+                             cohort_edges: int = COHORT_EDGES, tiles=None,
+                             sin0_zero: bool = False):  # fmt: skip
+    """``(dx_cos, dx_sin)`` as :func:`stack_backward`, from the stack's input x
+    instead of a kept z: each cohort's gated layers run forward again into a
+    cohort's z, then its backward. Nothing of size E but x, g and dx: the scratch
+    is about ``(K + 5) 2 c F n_ang`` values for ``c = cohort_edges``; the price is
+    one more forward of the gated layers."""
+    E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
+    K = len(weights)
+    n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
+                                       dt, E)  # fmt: skip
+    _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
+    _check_biases(biases, None, K, F, FO, dev, dt)
+    dx_cos = x_cos.new_empty((E, F, n_ang))
+    dx_sin = torch.empty_like(dx_cos)
+    spans = _cohorts(E, cohort_edges)
+    if not spans:
+        return dx_cos, dx_sin
+    c = spans[0][1]
+    ws = [w.contiguous() for w in weights]
+    bs = [None if b is None else b.contiguous() for b in biases]
+    zc = x_cos.new_empty((K, n_ang, 2, c, F))
+    gp = x_cos.new_empty((n_ang, 2, c, FO))
+    du = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    dz = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    for a, b in spans:
+        n = b - a
+        src = _in(du[0], x_cos[a:b], x_sin[a:b], sin0_zero)
+        # the gated layers only (z_1 .. z_K), through the dz buffers
+        zk = zc[:, :, :, :n]
+        _forward_cohort(src, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
+                        precision, tiles, dt, True, sin0_zero)  # fmt: skip
+        src = _in(gp, g_cos[a:b], g_sin[a:b], sin0_zero)
+        res = _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision,
+                               tiles, dt, sin0_zero)  # fmt: skip
+        _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
     return dx_cos, dx_sin
