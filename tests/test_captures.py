@@ -595,5 +595,6 @@ def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     assert info["precision"] == "skipped: no GPU" and info["ncu"] == "skipped: no GPU"
     rows = _rows(tmp_path / "stack.csv")
     labels = [c[0] for c in cohorts.COHORTS] + [f[0] for f in cohorts.FUSED]
+    labels.append(cohorts.FUSED_RECOMPUTE[0])
     assert [r["stack"] for r in rows] == labels
     assert all("multiples of 16" in r["note"] for r in rows[len(cohorts.COHORTS) :])

@@ -164,8 +164,15 @@ STEP_CASES = (
     ("plain", {"cohorts": False}),
     ("keep z", {"cohorts": True, "cohort_edges": 8192, "cohort_fused": "off"}),
     ("keep z", {"cohorts": True, "cohort_edges": 65536, "cohort_fused": "off"}),
-    ("recompute", {"cohorts": True, "cohort_edges": 8192, "cohort_recompute": True,
-                   "cohort_fused": "off"}),  # fmt: skip
+    (
+        "recompute",
+        {
+            "cohorts": True,
+            "cohort_edges": 8192,
+            "cohort_recompute": True,
+            "cohort_fused": "off",
+        },
+    ),  # fmt: skip
     *((label, {"cohorts": True, "cohort_fused": p}) for label, p in FUSED),
     (
         FUSED_RECOMPUTE[0],

@@ -220,11 +220,12 @@ class _CohortStack(torch.autograd.Function):
         ]
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
+        kernels = not double and not want and ctx.fused is not None
         x_eff = x_sin  # what the forward computed on (the kernels: x_sin[..., 0] = 0)
-        if ctx.sin0:
+        if ctx.sin0 and not kernels:  # (a copy: only where the linears recompute)
             with torch.enable_grad():
                 x_eff = _zeroed(x_sin)
-        if not double and not want and ctx.fused is not None:  # the layer kernels
+        if kernels:  # the layer kernels: a force step
             if need_x and zs:  # from their one kept z
                 dx_cos, dx_sin = _layers.stack_backward(
                     zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused,
