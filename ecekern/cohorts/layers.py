@@ -12,6 +12,13 @@ and the force step's backward (no parameter gradients), from the kept ``z_k``::
     du_K = W_out[m]^T dy;  dz_k = gate'(z_k) du_k;  du_(k-1) = du_k + W_k[m]^T dz_k
     dx = du_0
 
+or, recomputing (:func:`stack_recompute_backward`), from x: each cohort's gated
+layers run forward again into a cohort-sized z before its backward. With
+``sin0_zero`` the m = 0 sin column of x is taken as zero (the m = 0 order has no
+sin part); that plane then stays zero through every layer, and the kernels skip it
+(``SIN0``): five products a layer instead of six, ``y_sin[..., 0] = 0`` and
+``dx_sin[..., 0] = 0``.
+
 One kernel per layer each way, over cohorts of at most ``cohort_edges`` rows whose
 planes buffers are reused. A program owns ``BE`` edges and ``BN`` output
 features, for every order and for cos and sin: the orders are block-diagonal, so it
@@ -31,8 +38,9 @@ reads u and writes z and u (6), the output layer reads u and writes y
 (``2 + 2 F'/F``); backward, the top stage reads dy and z_K and writes du and dz
 (``6 + 2 F'/F``), each middle stage reads dz, du and z and writes du and dz (10),
 the last reads dz and du and writes dx (6). At K = 2, F' = F/2: 15 forward,
-23 backward; the copies to and from planes add 6 each way. FLOPs:
-``4 n_ang (K F^2 + F' F) E`` each way.
+23 backward; the copies to and from planes add 6 each way; with ``sin0_zero``, all
+of it five sixths. Recomputing adds the gated layers' forward without z (8).
+FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (five sixths with ``sin0_zero``).
 
 Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
 (Triton's three-pass TF32, fp32-accurate) and ``"bf16"`` (operands rounded to
@@ -44,7 +52,8 @@ Gradients: these are the gradients (the backward kernels); no parameter gradient
 
 Status: tested against the reference in float64 (Triton's CPU interpreter) and
 float32 (the H200); the default force step's stack for float32 on CUDA, in 3xTF32
-(option ``cohort_fused``). DRAM- and latency-bound: 2.4x the bytes model in TF32.
+(option ``cohort_fused``). DRAM- and latency-bound: about twice the bytes model
+in TF32 (chapter 6's Nsight captures).
 """
 
 from __future__ import annotations
