@@ -637,3 +637,70 @@ def test_gpu_layers_three_way(precision):
             assert rel_err(out.double(), r64) < LOOSE[precision]
         else:
             assert_close_three_way(out, r32, r64, f"layers on CUDA, {precision}")
+
+
+@pytest.mark.gpu
+def test_gpu_physics_with_the_layer_kernels(monkeypatch):
+    """What an MD user checks, with the stack on the layer kernels on CUDA, in
+    float64 (their ``"ieee"`` precision: the reference's arithmetic, so the tests'
+    bounds are the CPU's): the energy and forces are continuous across the cutoff,
+    and velocity Verlet's energy error over the same 100 fs scales as dt^2 (a ratio
+    of about 4 between 1 and 0.5 fs) while pairs cross the cutoff."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import numpy as np
+    from ase import Atoms, units
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+
+    from ecekern.calculator import ECECalculator
+    from ecekern.graph import build_graph
+
+    calls = []
+    real = layers_mod.stack_forward
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layers_mod, "stack_forward", spy)
+    cfg = ecekern.ECEConfig(channels=16, radial_hidden=16, readout_hidden=8,
+                            n_gated=2, cutoff=3.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = ecekern.ECEModel(cfg).double()
+    calc = ECECalculator(model, device="cuda")
+    with options.use(cohorts=True, cohort_fused="ieee", cohort_edges=1000):
+        rc = cfg.cutoff
+        for n_atoms in (2, 3):
+            ef = []
+            for r in (rc - 1e-4, rc + 1e-4):
+                pos = [[0.0, 0.0, 0.0], [r, 0.0, 0.0], [-0.6, 1.15, 0.0]][:n_atoms]
+                atoms = Atoms(numbers=[6, 6, 8][:n_atoms], cell=[30.0] * 3,
+                              positions=np.array(pos) + 10.0, pbc=False)  # fmt: skip
+                atoms.calc = calc
+                ef.append((atoms.get_potential_energy(), atoms.get_forces()))
+            (e_in, f_in), (e_out, f_out) = ef
+            assert abs(e_in - e_out) < 1e-10
+            assert np.abs(f_in - f_out).max() < 1e-8
+
+        def edges(atoms):
+            g = build_graph(atoms.positions, atoms.cell.array, atoms.pbc, rc)
+            return set(zip(g.src.tolist(), g.dst.tolist(),
+                           map(tuple, g.shifts.tolist())))  # fmt: skip
+
+        def max_deviation(dt_fs):
+            atoms = ecekern.systems.diamond(repeats=2, rattle=0.05, seed=0)
+            MaxwellBoltzmannDistribution(atoms, temperature_K=300,
+                                         rng=np.random.default_rng(0))  # fmt: skip
+            atoms.calc = calc
+            first, e0, dev = edges(atoms), atoms.get_total_energy(), []
+            dyn = VelocityVerlet(atoms, timestep=dt_fs * units.fs)
+            dyn.attach(lambda: dev.append(abs(atoms.get_total_energy() - e0)))
+            dyn.run(round(100 / dt_fs))
+            assert edges(atoms) != first  # pairs crossed the cutoff
+            return max(dev)
+
+        dev_1, dev_half = max_deviation(1.0), max_deviation(0.5)
+    assert calls, "the layer kernels did not run"
+    assert dev_1 / 64 < 1e-6, dev_1
+    assert 2.5 < dev_1 / dev_half < 6.0, (dev_1, dev_half)
