@@ -75,7 +75,7 @@ class Options:
             cores), ``"tf32"`` or ``"bf16"``; ``"off"`` runs the
             EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
             float32 on CUDA (chapter 6: force errors within 1.1x of strict fp32's,
-            the step 1.7x faster) and ``"off"`` otherwise.
+            the step 1.9x faster) and ``"off"`` otherwise.
     """
 
     reference: bool = False
