@@ -125,6 +125,9 @@ def test_markdown_table():
         [{"a": 1.25, "b": "x"}], {"a": "A", "b": "B"}, {"a": "{:.1f}"}
     )
     assert md.splitlines() == ["| A | B |", "|---|---|", "| 1.2 | x |"]
+    # a row an interrupted capture left without a value names the gap, not a crash
+    md = captures.markdown_table([{"a": None}], {"a": "A"}, {"a": "{:.1f}"})
+    assert md.splitlines()[-1] == "| not captured |"
 
 
 def test_load_errors_clearly(tmp_path):

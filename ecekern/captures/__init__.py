@@ -78,14 +78,17 @@ def markdown_table(
     rows: list[dict], columns: dict[str, str], fmt: dict | None = None
 ) -> str:
     """A Markdown table of ``rows``: ``columns`` maps keys to headers, ``fmt`` keys to
-    format strings (``"{:.2f}"``)."""
+    format strings (``"{:.2f}"``); a value the capture lacks (None, say a row of an
+    interrupted run) is "not captured"."""
     fmt = fmt or {}
     head = "| " + " | ".join(columns.values()) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
-    body = [
-        "| " + " | ".join(fmt.get(k, "{}").format(r[k]) for k in columns) + " |"
-        for r in rows
-    ]
+
+    def cell(r, k):
+        v = r.get(k)
+        return "not captured" if v is None else fmt.get(k, "{}").format(v)
+
+    body = ["| " + " | ".join(cell(r, k) for k in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
