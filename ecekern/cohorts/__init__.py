@@ -187,8 +187,10 @@ class _CohortStack(torch.autograd.Function):
     """``(x_cos, x_sin, linear, cohort, recompute, fused, K, *params) -> (y_cos,
     y_sin)``, rows ``(E, F, n_ang)``; params = K weights, K biases, the output
     weight and bias. Saved: x, the params and, unless ``recompute``, the
-    pre-activations z_k. With ``fused`` the m = 0 sin part is taken as zero
-    (the caller has zeroed it: :func:`mixing_stack` with ``sin0_zero``)."""
+    pre-activations z_k. ``fused``: None, or ``(precision, sin0)`` for the layer
+    kernels; with ``sin0`` the m = 0 sin column of x is taken as zero (the kernels
+    skip it, the other paths of the backward zero it: :func:`mixing_stack`'s
+    ``sin0_zero``)."""
 
     @staticmethod
     def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, K, *params):
