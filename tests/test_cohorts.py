@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -576,6 +577,26 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         fwd(xc, xs, ws, bs, wo, bo.float())
     with pytest.raises(ValueError, match="contiguous"):
         bwd(z.transpose(3, 4).contiguous().transpose(3, 4), gc, gs, ws, wo)
+    rec = layers_mod.stack_recompute_backward
+    with pytest.raises(ValueError, match="weight_out has n_ang = 2"):
+        bwd(z, gc, gs, ws, wo[:2])
+    with pytest.raises(TypeError, match="z has dtype"):  # z, not the weights
+        bwd(z.float(), gc, gs, ws, wo)
+    with pytest.raises(TypeError, match="keep=True"):  # stack_forward(keep=False)
+        bwd(None, gc, gs, ws, wo)
+    with pytest.raises(TypeError, match="g_cos"):
+        bwd(z, list(gc), gs, ws, wo)
+    for flag in (2, 1, None, "yes"):  # 2 would skip a plane the kernels then read
+        with pytest.raises(TypeError, match="sin0_zero"):
+            fwd(xc, xs, ws, bs, wo, bo, sin0_zero=flag)
+        with pytest.raises(TypeError, match="sin0_zero"):
+            rec(xc, xs, gc, gs, ws, bs, wo, sin0_zero=flag)
+    with pytest.raises(TypeError, match="biases must be a list"):
+        rec(xc, xs, gc, gs, ws, None, wo)
+    with pytest.raises(TypeError, match="biases must be a list"):
+        cohorts.mixing_stack(xc, xs, ws, None, wo, bo)
+    y = fwd(xc, xs, ws, bs, wo, bo, "ieee", np.int64(3))  # any integer cohort
+    assert torch.equal(y[0], fwd(xc, xs, ws, bs, wo, bo, "ieee", 3)[0])
 
 
 def test_cohort_precision_auto():

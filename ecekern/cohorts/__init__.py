@@ -307,8 +307,10 @@ def mixing_stack(
         sin0_zero: compute on ``x_sin`` with its m = 0 column taken as zero (the
             m = 0 order has no sin part; the edge frame's rows are built so).
             Then ``y_sin[..., 0] = 0`` and the gradient to ``x_sin[..., 0]`` is
-            zero, and the layer kernels skip the m = 0 sin products: a sixth of
-            their work.
+            zero, and the layer kernels skip the m = 0 sin products: ``1/(2
+            n_ang)`` of their work (a sixth at n_ang = 3). Without the kernels
+            (``fused=None``, or a fallback) the stack runs on a zeroed copy of
+            ``x_sin``, which it keeps in place of ``x_sin``.
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``.
@@ -329,6 +331,9 @@ def mixing_stack(
         raise ValueError(
             f"fused must be None or one of {_layers.PRECISIONS}, got {fused!r}"
         )
+    for name, seq in (("weights", weights), ("biases", biases)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{name} must be a list, got {seq!r:.60}")
     if len(weights) != len(biases):
         raise ValueError(
             f"{len(weights)} weights but {len(biases)} biases: one bias (or None) "

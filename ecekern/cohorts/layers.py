@@ -16,8 +16,8 @@ or, recomputing (:func:`stack_recompute_backward`), from x: each cohort's gated
 layers run forward again into a cohort-sized z before its backward. With
 ``sin0_zero`` the m = 0 sin column of x is taken as zero (the m = 0 order has no
 sin part); that plane then stays zero through every layer, and the kernels skip it
-(``SIN0``): five products a layer instead of six, ``y_sin[..., 0] = 0`` and
-``dx_sin[..., 0] = 0``.
+(``SIN0``): ``2 n_ang - 1`` products a layer instead of ``2 n_ang`` (five instead
+of six at n_ang = 3), ``y_sin[..., 0] = 0`` and ``dx_sin[..., 0] = 0``.
 
 One kernel per layer each way, over cohorts of at most ``cohort_edges`` rows whose
 planes buffers are reused. A program owns ``BE`` edges and ``BN`` output
@@ -39,8 +39,9 @@ reads u and writes z and u (6), the output layer reads u and writes y
 (``6 + 2 F'/F``), each middle stage reads dz, du and z and writes du and dz (10),
 the last reads dz and du and writes dx (6). At K = 2, F' = F/2: 15 forward,
 23 backward; the copies to and from planes add 6 each way; with ``sin0_zero``, all
-of it five sixths. Recomputing adds the gated layers' forward without z (8).
-FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (five sixths with ``sin0_zero``).
+of it ``1 - 1/(2 n_ang)`` (five sixths at n_ang = 3). Recomputing adds the gated
+layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (times
+``1 - 1/(2 n_ang)`` with ``sin0_zero``).
 
 Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
 (Triton's three-pass TF32, fp32-accurate) and ``"bf16"`` (operands rounded to
@@ -59,6 +60,7 @@ in TF32 (chapter 6's Nsight captures).
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
@@ -250,6 +252,8 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
 
 def _check(name: str, t, shape: tuple, device) -> None:
     """A clear error where a shape or device would send a kernel out of bounds."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape {shape}, got {t!r:.60}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} is {tuple(t.shape)}, expected {shape}")
     if t.device != device:
@@ -257,9 +261,19 @@ def _check(name: str, t, shape: tuple, device) -> None:
 
 
 def _checked(x_cos, weights, weight_out, precision, dtype):
-    """``(n_ang, F', F)`` after the checks every launcher shares."""
+    """``(n_ang, F', F)`` after the checks every launcher shares (``x_cos``: the
+    first rows, ``(E, width, n_ang)``)."""
     if not isinstance(weight_out, torch.Tensor) or weight_out.ndim != 3:
         raise ValueError("weight_out must be an (n_ang, F', F) tensor")
+    if not isinstance(x_cos, torch.Tensor) or x_cos.ndim != 3:
+        raise ValueError(
+            f"the rows must be (E, width, n_ang) tensors, got {x_cos!r:.60}"
+        )
+    if weight_out.shape[0] != x_cos.shape[-1]:
+        n_w, n_x = weight_out.shape[0], x_cos.shape[-1]
+        raise ValueError(f"weight_out has n_ang = {n_w}, the rows have {n_x}")
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(f"weights must be a list of tensors, got {weights!r:.60}")
     why = why_not_layers(x_cos, weight_out, precision)
     if why:
         raise ValueError(f"the layer kernels cannot serve this call: {why}")
@@ -294,11 +308,20 @@ def _dt(dtype):
 
 def _cohorts(E: int, cohort_edges: int):
     """``(a, b)`` row ranges of at most ``cohort_edges`` rows."""
-    if isinstance(cohort_edges, bool) or not isinstance(cohort_edges, int):
+    if isinstance(cohort_edges, bool) or not isinstance(cohort_edges, numbers.Integral):
         raise TypeError(f"cohort_edges must be an int, got {cohort_edges!r}")
     if cohort_edges < 1:
         raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
-    return [(a, min(a + cohort_edges, E)) for a in range(0, E, cohort_edges)]
+    c = int(cohort_edges)
+    return [(a, min(a + c, E)) for a in range(0, E, c)]
+
+
+def _flags(**flags) -> None:
+    """A TypeError for a flag that is not a bool (``sin0_zero=2`` would skip a
+    plane the kernels then read)."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
 
 
 def _in(buf, a_cos, a_sin, sin0: bool):
@@ -327,6 +350,9 @@ def _check_rows(E, F, n_ang, dev, dt, **rows):
 
 
 def _check_biases(biases, bias_out, K, F, FO, dev, dt):
+    if not isinstance(biases, (list, tuple)):
+        raise TypeError(f"biases must be a list (a tensor or None each), got "
+                        f"{biases!r:.60}")  # fmt: skip
     if len(biases) != K:
         raise ValueError(f"{len(biases)} biases for {K} weights")
     for k, bk in enumerate([*biases, bias_out]):
@@ -382,7 +408,12 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     go through in cohorts of at most ``cohort_edges``, each copied into planes and
     back. ``tiles``: ``(BE, BN, BK, warps, stages)`` instead of ``TILES``.
     ``sin0_zero``: ``x_sin[..., 0]`` is taken as zero (not read), so that the m = 0
-    sin part of every layer is zero and skipped: ``y_sin[..., 0] = 0``."""
+    sin part of every layer is zero and skipped: ``y_sin[..., 0] = 0``, and the
+    m = 0 sin planes of z, ``z[:, 0, 1]``, are not written (they would be zero; no
+    backward reads them)."""
+    _flags(keep=keep, sin0_zero=sin0_zero)
+    if not isinstance(x_cos, torch.Tensor):
+        raise TypeError(f"x_cos must be an (E, F, n_ang) tensor, got {x_cos!r:.60}")
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
     n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
@@ -424,7 +455,15 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     :func:`stack_forward` kept (no parameter gradients); in cohorts as there. With
     ``sin0_zero`` (as the forward had it), ``g_sin[..., 0]`` is not read and
     ``dx_sin[..., 0] = 0``."""
-    E, dev, dt = g_cos.shape[0], g_cos.device, z.dtype
+    _flags(sin0_zero=sin0_zero)
+    if not isinstance(z, torch.Tensor):
+        raise TypeError("z must be the pre-activations stack_forward kept (keep=True),"
+                        f" got {z!r:.60}")  # fmt: skip
+    if not isinstance(g_cos, torch.Tensor):
+        raise TypeError(f"g_cos must be an (E, F', n_ang) tensor, got {g_cos!r:.60}")
+    E, dev, dt = g_cos.shape[0], g_cos.device, g_cos.dtype
+    if z.dtype != dt:
+        raise TypeError(f"z has dtype {z.dtype}, the output gradient {dt}")
     K = len(weights)
     if z.ndim == 5 and z.shape[0] != K:
         raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
@@ -456,10 +495,18 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
                              cohort_edges: int = COHORT_EDGES, tiles=None,
                              sin0_zero: bool = False):  # fmt: skip
     """``(dx_cos, dx_sin)`` as :func:`stack_backward`, from the stack's input x
-    instead of a kept z: each cohort's gated layers run forward again into a
-    cohort's z, then its backward. Nothing of size E but x, g and dx: the scratch
-    is about ``(K + 5) 2 c F n_ang`` values for ``c = cohort_edges``; the price is
-    one more forward of the gated layers."""
+    (``(E, F, n_ang)``, any strides) instead of a kept z: each cohort's gated
+    layers run forward again into a cohort's z, then its backward. ``biases``: the
+    K gated layers' (the output layer's bias plays no part in dx). With
+    ``sin0_zero`` (as the forward had it), ``x_sin[..., 0]`` and ``g_sin[..., 0]``
+    are not read and ``dx_sin[..., 0] = 0``. Nothing of size E but x, g and dx:
+    the scratch is about ``(K + 5) 2 c F n_ang`` values for ``c = cohort_edges``;
+    the price is one more forward of the gated layers."""
+    _flags(sin0_zero=sin0_zero)
+    for name, t in (("x_cos", x_cos), ("g_cos", g_cos)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an (E, width, n_ang) tensor, got "
+                            f"{t!r:.60}")  # fmt: skip
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
     n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
