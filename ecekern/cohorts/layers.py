@@ -447,6 +447,15 @@ def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
     return n_ang, FO, F, wt
 
 
+def _backward_buffers(like, n_ang, c, F, FO):
+    """One cohort's planes for the backward, reused from cohort to cohort: the
+    output gradient ``gp`` and two each of ``du`` and ``dz``."""
+    gp = like.new_empty((n_ang, 2, c, FO))
+    du = [like.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    dz = [like.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    return gp, du, dz
+
+
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
                    cohort_edges: int = COHORT_EDGES, tiles=None,
                    sin0_zero: bool = False):  # fmt: skip
@@ -477,10 +486,7 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return dx_cos, dx_sin
-    c = spans[0][1]
-    gp = dx_cos.new_empty((n_ang, 2, c, FO))
-    du = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
-    dz = [dx_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    gp, du, dz = _backward_buffers(dx_cos, n_ang, spans[0][1], F, FO)
     for a, b in spans:
         n = b - a
         src = _in(gp, g_cos[a:b], g_sin[a:b], sin0_zero)
@@ -522,9 +528,7 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     ws = [w.contiguous() for w in weights]
     bs = [None if b is None else b.contiguous() for b in biases]
     zc = x_cos.new_empty((K, n_ang, 2, c, F))
-    gp = x_cos.new_empty((n_ang, 2, c, FO))
-    du = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
-    dz = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
     for a, b in spans:
         n = b - a
         src = _in(du[0], x_cos[a:b], x_sin[a:b], sin0_zero)
