@@ -173,7 +173,8 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     the layer's own EquivariantLinear path and the ``cohort_edges``,
     ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
     is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
-    stack skips it (``sin0_zero``)."""
+    layer kernels skip it (``sin0_zero``); the linears compute on it as it is (a
+    zeroed copy would be one more activation kept)."""
     path, now = layer.out.path, options.current()
     fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
 
@@ -183,8 +184,71 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        now.cohort_edges, now.cohort_recompute, fused, sin0_zero=True,
+        now.cohort_edges, now.cohort_recompute, fused, sin0_zero=fused is not None,
     )  # fmt: skip
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same values in memory (a reshape of one is
+    another tensor object over the same storage)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+class _RebuiltInBackward:
+    """Saved-tensor hooks that keep a recipe instead of the stack's input rows.
+
+    While the hooks are on, a tensor saved for the backward that is ``x_cos`` or
+    ``x_sin`` is stored as its index; the first unpack calls ``rebuild()`` (the
+    rotation that made them: chapter 3's kernel, one more pass over the edges) and
+    hands out its rows, and the rebuilt pair is dropped once both are out. Under a
+    second derivative (grad mode on in the backward) the rebuild is differentiable,
+    so the second derivative flows through it to h and the radial weights as it
+    would have through the kept rows. The rotation has no reductions across
+    programs, so the rebuilt rows are the kept ones bit for bit.
+
+    Saves ``2 E F n_ang`` values a layer (the stack keeps only x with
+    ``cohort_recompute``), for one rotation a layer more in the backward."""
+
+    def __init__(self, x_cos, x_sin, rebuild):
+        self.x, self.rebuild, self.rows = (x_cos, x_sin), rebuild, None
+        self.packed = self.out = 0
+
+    def pack(self, t):
+        for i, x in enumerate(self.x):
+            if x is not None and _same(t, x):
+                self.packed += 1
+                return (i, tuple(t.shape))
+        return t
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        i, shape = saved
+        if self.rows is None:
+            if torch.is_grad_enabled():  # a second derivative: through the rebuild
+                self.rows = self.rebuild()
+            else:
+                with torch.no_grad():
+                    self.rows = self.rebuild()
+        t = self.rows[i].reshape(shape)
+        self.out += 1
+        if self.out % self.packed == 0:  # every saved one handed out: drop them
+            self.rows = None
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.x = (None, None)  # the recipe outlives the forward, the rows must not
+        return self.hooks.__exit__(*exc)
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:
@@ -349,6 +413,25 @@ class ECEModel(nn.Module):
         frame about its axis (the energy must not change; tests use it)."""
         return self.atom_energies(positions, numbers, graph, gauge).sum()
 
+    @staticmethod
+    def _rebuild(frames, h, rho_t, graph: Graph, D, M: int):
+        """With ``cohort_recompute``, how to make the stack's input again in the
+        backward (:class:`_RebuiltInBackward`), or None: keep it."""
+        if (
+            not options.current().cohort_recompute
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        if frames is not None:
+            return lambda: frames.rotate_and_select(h, rho_t)
+
+        def rows():
+            x_cos, x_sin = reference.rotate_and_select(h, graph.src, graph.dst, D, M)
+            return x_cos * rho_t[:, :, None], x_sin * rho_t[:, :, None]
+
+        return rows
+
     def atom_energies(
         self, positions, numbers, graph: Graph, gauge=None
     ) -> torch.Tensor:
@@ -401,7 +484,13 @@ class ECEModel(nn.Module):
                     x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
                 if options.cohorts_on(x_cos.device.type):  # chapter 6
-                    y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
+                    rebuild = self._rebuild(frames, h, rho_t, graph, D, M)
+                    if rebuild is None:
+                        y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
+                    else:
+                        with _RebuiltInBackward(x_cos, x_sin, rebuild):
+                            y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
+                        del rebuild
                 else:
                     u_cos, u_sin = x_cos, x_sin
                     for lin in layer.gated:

@@ -283,6 +283,69 @@ def test_model_with_cohorts_equals_without(channels, opts):
     assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
 
 
+@pytest.mark.parametrize(
+    "edge_frame",
+    ["reference", pytest.param("packed", marks=needs_triton)],
+)
+def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame):
+    """With ``cohort_recompute`` the model keeps no stack input for the backward:
+    after the forward the rows are gone (weak references die), the backward
+    rebuilds them once a layer by the rotation, and the energy, forces and a
+    second derivative (a force loss's parameter gradient) equal the kept-rows
+    step's in float64. Without it, the stack keeps them."""
+    import gc
+    import weakref
+
+    from ecekern import model as model_mod
+
+    cfg = ecekern.ECEConfig(channels=4, radial_hidden=8, readout_hidden=8,
+                            n_gated=2, cutoff=3.0)  # fmt: skip
+    model = ecekern.ECEModel(cfg).double()
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(1, rattle=0.2, seed=5), cfg.cutoff, torch.float64
+    )
+    seen, rebuilt = [], []
+    real_stack, real_unpack = (
+        model_mod._cohort_stack,
+        model_mod._RebuiltInBackward.unpack,
+    )
+
+    def stack_spy(layer, x_cos, x_sin):
+        seen.append((weakref.ref(x_cos), weakref.ref(x_sin)))
+        return real_stack(layer, x_cos, x_sin)
+
+    def unpack_spy(self, saved):
+        rebuilt.append(self.rows is None and not isinstance(saved, torch.Tensor))
+        return real_unpack(self, saved)
+
+    monkeypatch.setattr(model_mod, "_cohort_stack", stack_spy)
+    monkeypatch.setattr(model_mod._RebuiltInBackward, "unpack", unpack_spy)
+    params = list(model.parameters())
+    out = {}
+    for recompute in (False, True):
+        seen.clear()
+        rebuilt.clear()
+        opts = dict(cohorts=True, cohort_recompute=recompute, edge_frame=edge_frame,
+                    cohort_edges=64)  # fmt: skip
+        with options.use(**opts):
+            x = inputs[0].clone().requires_grad_()
+            energy = model(x, *inputs[1:])
+            gc.collect()
+            alive = [r() is not None for pair in seen for r in pair]
+            assert len(alive) == 2 * cfg.n_interactions
+            assert alive == [not recompute] * len(alive)  # (no zeroed copy either)
+            (grad,) = torch.autograd.grad(energy, x)
+            assert sum(rebuilt) == (cfg.n_interactions if recompute else 0)
+            e2, f2 = force_step(model, *inputs, create_graph=True)
+            g2 = torch.autograd.grad((f2**2).sum(), params, allow_unused=True)
+        out[recompute] = (energy.detach(), -grad, [g for g in g2 if g is not None])
+    (e0, f0, g0), (e1, f1, g1) = out[False], out[True]
+    assert rel_err(e1, e0) < 1e-12 and rel_err(f1, f0) < 1e-12
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0, strict=True):
+        assert rel_err(a, b) < 1e-12
+
+
 def test_option_from_the_environment(monkeypatch):
     monkeypatch.setenv("ECEKERN_COHORTS", "1")
     assert options._from_environment(options.Options()).cohorts is True
