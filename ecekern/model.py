@@ -414,7 +414,7 @@ class ECEModel(nn.Module):
         return self.atom_energies(positions, numbers, graph, gauge).sum()
 
     @staticmethod
-    def _rebuild(frames, h, rho_t, graph: Graph, D, M: int):
+    def _rebuild(frames, h, rho_t, graph: Graph, D, M: int, planes: bool):
         """With ``cohort_recompute``, how to make the stack's input again in the
         backward (:class:`_RebuiltInBackward`), or None: keep it."""
         if (
@@ -424,7 +424,7 @@ class ECEModel(nn.Module):
         ):
             return None
         if frames is not None:
-            return lambda: frames.rotate_and_select(h, rho_t)
+            return lambda: frames.rotate_and_select(h, rho_t, planes)
 
         def rows():
             x_cos, x_sin = reference.rotate_and_select(h, graph.src, graph.dst, D, M)
@@ -468,12 +468,17 @@ class ECEModel(nn.Module):
             rows = species.clamp(min=0)
             h0 = self.embedding(rows)[:, None, :]
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
+        # chapter 6's layer kernels read the rows as planes: the rotation writes
+        # them so (and the stack's output and gradients stay so), with no copies
+        planes = options.cohorts_on(positions.device.type) and (
+            options.cohort_precision(positions.device.type, positions.dtype) is not None
+        )
         for layer, rho_t in zip(
             self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
         ):
             if frames is not None:  # the modulation is folded into the store
                 with record_function("ece::rotate_and_select"):
-                    x_cos, x_sin = frames.rotate_and_select(h, rho_t)
+                    x_cos, x_sin = frames.rotate_and_select(h, rho_t, planes)
             else:
                 with record_function("ece::rotate_and_select"):
                     x_cos, x_sin = reference.rotate_and_select(
@@ -484,7 +489,7 @@ class ECEModel(nn.Module):
                     x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
                 if options.cohorts_on(x_cos.device.type):  # chapter 6
-                    rebuild = self._rebuild(frames, h, rho_t, graph, D, M)
+                    rebuild = self._rebuild(frames, h, rho_t, graph, D, M, planes)
                     if rebuild is None:
                         y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
                     else:

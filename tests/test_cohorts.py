@@ -256,10 +256,17 @@ def test_compile_with_sizes_that_vary(sizes):
     [
         (4, {"cohort_edges": 50}),
         (4, {"cohort_edges": 50, "cohort_recompute": True}),
-        pytest.param(16, {"cohort_fused": "ieee"}, marks=needs_triton),
+        pytest.param(
+            16, {"cohort_fused": "ieee", "edge_frame": "packed"}, marks=needs_triton
+        ),
         pytest.param(
             16,
-            {"cohort_fused": "ieee", "cohort_recompute": True, "cohort_edges": 300},
+            {
+                "cohort_fused": "ieee",
+                "cohort_recompute": True,
+                "cohort_edges": 300,
+                "edge_frame": "packed",
+            },
             marks=needs_triton,
         ),  # fmt: skip
     ],
@@ -269,7 +276,9 @@ def test_model_with_cohorts_equals_without(channels, opts):
     """The model's step in cohorts equals the plain step in float64, keeping z,
     recomputing, and with the layer kernels keeping z or recomputing it (channels
     16: F = 96, F' = 48, a factor 16 in both); the model's stack skips the m = 0
-    sin part (``sin0_zero``), so this also checks that part is zero."""
+    sin part (``sin0_zero``), so this also checks that part is zero. With the
+    kernels, chapter 3's edge-frame kernels hand the rows over as planes (no
+    copies), and the stack's output and gradients stay planes."""
     cfg = ecekern.ECEConfig(
         channels=channels, radial_hidden=8, readout_hidden=8, n_gated=2, cutoff=3.0
     )
@@ -284,10 +293,15 @@ def test_model_with_cohorts_equals_without(channels, opts):
 
 
 @pytest.mark.parametrize(
-    "edge_frame",
-    ["reference", pytest.param("packed", marks=needs_triton)],
+    "edge_frame, fused",
+    [
+        ("reference", "off"),
+        pytest.param("packed", "off", marks=needs_triton),
+        pytest.param("packed", "ieee", marks=needs_triton),
+    ],
+    ids=["reference", "packed", "packed-kernels"],
 )
-def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame):
+def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused):
     """With ``cohort_recompute`` the model keeps no stack input for the backward:
     after the forward the rows are gone (weak references die), the backward
     rebuilds them once a layer by the rotation, and the energy, forces and a
@@ -298,8 +312,9 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame):
 
     from ecekern import model as model_mod
 
-    cfg = ecekern.ECEConfig(channels=4, radial_hidden=8, readout_hidden=8,
-                            n_gated=2, cutoff=3.0)  # fmt: skip
+    small = dict(channels=16, lmax=1, cutoff=2.0) if fused != "off" else {}
+    cfg = ecekern.ECEConfig(**{"channels": 4, "cutoff": 3.0, **small},
+                            radial_hidden=8, readout_hidden=8, n_gated=2)  # fmt: skip
     model = ecekern.ECEModel(cfg).double()
     inputs = prepare_inputs(
         ecekern.systems.diamond(1, rattle=0.2, seed=5), cfg.cutoff, torch.float64
@@ -311,7 +326,10 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame):
     )
 
     def stack_spy(layer, x_cos, x_sin):
-        seen.append((weakref.ref(x_cos), weakref.ref(x_sin)))
+        # the allocations (a planes pair's views share one base, which any view
+        # that the stack keeps would hold)
+        seen.append(tuple(weakref.ref(t if t._base is None else t._base)
+                          for t in (x_cos, x_sin)))  # fmt: skip
         return real_stack(layer, x_cos, x_sin)
 
     def unpack_spy(self, saved):
@@ -326,7 +344,7 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame):
         seen.clear()
         rebuilt.clear()
         opts = dict(cohorts=True, cohort_recompute=recompute, edge_frame=edge_frame,
-                    cohort_edges=64)  # fmt: skip
+                    cohort_edges=64, cohort_fused=fused)  # fmt: skip
         with options.use(**opts):
             x = inputs[0].clone().requires_grad_()
             energy = model(x, *inputs[1:])
@@ -523,6 +541,50 @@ def test_layers_strided_inputs():
     ref = _fwd_and_force_bwd(reference.mixing_stack, [xc, xs], *args)
     for a, b in zip(got, ref, strict=True):
         assert rel_err(a, b) < 1e-12
+
+
+def _as_planes_pair(t_cos, t_sin):
+    """Copies of rows ``(E, W, n_ang)`` as the cos and sin views of one ``(n_ang,
+    2, E, W)`` tensor (chapter 3's ``planes=True`` layout)."""
+    P, a, b = layers_mod._planes_pair(t_cos, *t_cos.shape)
+    a.copy_(t_cos.detach()), b.copy_(t_sin.detach())
+    return a, b
+
+
+@needs_triton
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
+@pytest.mark.parametrize("sin0", [False, True], ids=["all", "sin0"])
+def test_layers_planes_pairs_in_place(recompute, sin0):
+    """Rows that are a planes pair (views of one ``(n_ang, 2, E, F)``) are read in
+    place and the outputs and dx come as planes pairs, with the same values as
+    contiguous rows bit for bit (the same products; only the copies are gone),
+    the m = 0 sin planes zero with ``sin0_zero``; 37 rows in cohorts of 16. A
+    planes x with a contiguous output gradient gives contiguous dx."""
+    x, *args = _fused_args(37, 2, 3, True)
+    fn = functools.partial(cohorts.mixing_stack, fused="ieee", cohort_edges=16,
+                           recompute=recompute, sin0_zero=sin0)  # fmt: skip
+    xp = [t.requires_grad_() for t in _as_planes_pair(*x)]
+    y_rows, y_planes = fn(*x, *args), fn(*xp, *args)
+    assert layers_mod._as_planes(*y_planes) is not None
+    assert layers_mod._as_planes(*y_rows) is None
+    g = [torch.randn_like(t) for t in y_rows]
+    gp = _as_planes_pair(*g)
+    d_rows = torch.autograd.grad(y_rows, x, g)
+    d_planes = torch.autograd.grad(y_planes, xp, gp, retain_graph=True)
+    assert layers_mod._as_planes(*d_planes) is not None
+    for a, b in zip([*y_planes, *d_planes], [*y_rows, *d_rows], strict=True):
+        assert torch.equal(a, b)
+    if sin0:
+        assert not y_planes[1][..., 0].any() and not d_planes[1][..., 0].any()
+    d_mixed = torch.autograd.grad(y_planes, xp, g)
+    assert layers_mod._as_planes(*d_mixed) is None
+    for a, b in zip(d_mixed, d_rows, strict=True):
+        assert torch.equal(a, b)
+    wide = torch.zeros(3, 3, 37, 32, dtype=torch.float64)  # planes with a gap
+    assert layers_mod._as_planes(wide[:, 0].permute(1, 2, 0),
+                                 wide[:, 2].permute(1, 2, 0)) is not None  # fmt: skip
+    assert layers_mod._as_planes(wide[:, 2].permute(1, 2, 0),
+                                 wide[:, 0].permute(1, 2, 0)) is None  # fmt: skip
 
 
 #: Relative error bounds against float64 where the three-way rule does not apply:

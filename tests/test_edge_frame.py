@@ -206,6 +206,50 @@ def test_strided_inputs(variant):
     assert rel_err(got, _ref_unrotate(yc, ys, D, 2, dst, row_ptr, 0.3, w)) < 1e-12
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_planes_layout(variant):
+    """``planes=True``: the rows as the cos and sin views of one ``(n_ang, 2, E,
+    F)`` tensor (chapter 6's layout), the same values bit for bit; the gradients of
+    planes-laid-out output gradients, an unrotation of planes rows and its dy (in
+    the planes layout), all equal to the contiguous rows'; a pair of two different
+    layouts is read right too."""
+    from ecekern.edge_frame.launch import is_planes_pair, rows_pair
+
+    L, M = 2, 2
+    leaves, (src, dst, row_ptr) = _inputs(33, 6, L, M, 3, 2)
+    h, D, rho, yc, ys, w = leaves
+    frames = edge_frame.Frames(D, M, src, dst, 6, row_ptr, variant=variant)
+    rows = frames.rotate_and_select(h, rho)
+    planes = frames.rotate_and_select(h, rho, planes=True)
+    assert not is_planes_pair(*rows) and is_planes_pair(*planes)
+    for a, b in zip(planes, rows, strict=True):
+        assert torch.equal(a, b)
+    g = [torch.randn_like(t) for t in rows]
+    gp = rows_pair(*g[0].shape, g[0], True)
+    for a, b in zip(gp, g, strict=True):
+        a.copy_(b)
+    want = torch.autograd.grad(rows, (h, D, rho), g, retain_graph=True)
+    got = torch.autograd.grad(planes, (h, D, rho), gp, retain_graph=True)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-14
+    yp = rows_pair(*yc.shape, yc, True)
+    for a, b in zip(yp, (yc, ys), strict=True):
+        a.copy_(b.detach())
+    yp = [t.requires_grad_() for t in yp]
+    out = frames.unrotate_and_aggregate(yc, ys, 0.37, w)
+    outp = frames.unrotate_and_aggregate(*yp, 0.37, w)
+    mixed = frames.unrotate_and_aggregate(yp[0], ys, 0.37, w)
+    assert rel_err(outp, out) < 1e-14 and rel_err(mixed, out) < 1e-14
+    G = torch.randn_like(out)
+    want = torch.autograd.grad(out, (yc, ys, D, w), G, retain_graph=True)
+    got = torch.autograd.grad(outp, (*yp, D, w), G)
+    assert is_planes_pair(got[0], got[1])
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-14
+    with pytest.raises(TypeError, match="planes"):
+        frames.rotate_and_select(h, rho, planes=1)
+
+
 def test_deterministic():
     leaves, graph = _inputs(60, 5, 2, 2, 4, 3)
     a = _rotate(edge_frame.rotate_and_select, leaves, graph, 2)

@@ -324,6 +324,33 @@ def _flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {v!r}")
 
 
+def _as_planes(a_cos, a_sin):
+    """The ``(n_ang, 2, E, width)`` planes that rows ``a_cos``, ``a_sin`` ``(E,
+    width, n_ang)`` are the cos and sin views of (chapter 3's ``planes=True``
+    rows, or this module's outputs), or None: then they are copied in."""
+    E, W, n_ang = a_cos.shape
+    st = a_cos.stride()
+    if (
+        E == 0
+        or a_sin.stride() != st
+        or st[:2] != (W, 1)
+        or a_sin.dtype != a_cos.dtype
+        or a_sin.untyped_storage().data_ptr() != a_cos.untyped_storage().data_ptr()
+    ):
+        return None
+    s_c = a_sin.storage_offset() - a_cos.storage_offset()
+    if s_c < E * W or (n_ang > 1 and st[2] < s_c + E * W):
+        return None  # not two disjoint sets of planes
+    return a_cos.as_strided((n_ang, 2, E, W), (st[2], s_c, W, 1))
+
+
+def _planes_pair(like, E: int, W: int, n_ang: int):
+    """New planes ``(n_ang, 2, E, W)`` and their cos and sin rows ``(E, W, n_ang)``
+    (the views :func:`_as_planes` finds again)."""
+    P = like.new_empty((n_ang, 2, E, W))
+    return P, P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0)
+
+
 def _in(buf, a_cos, a_sin, sin0: bool):
     """Rows ``(n, F, n_ang)`` into the first n rows of planes ``buf`` (with ``sin0``
     not the m = 0 sin plane, which the kernels then never read)."""
@@ -331,6 +358,14 @@ def _in(buf, a_cos, a_sin, sin0: bool):
     buf[:, 0, :n].copy_(a_cos.permute(2, 0, 1))
     buf[int(sin0) :, 1, :n].copy_(a_sin[..., int(sin0) :].permute(2, 0, 1))
     return buf[:, :, :n]
+
+
+def _rows_in(P, a, b, buf, a_cos, a_sin, sin0: bool):
+    """Rows a..b as planes: a view of ``P`` when the rows are a planes pair
+    (:func:`_as_planes`), else copied into ``buf`` (:func:`_in`)."""
+    if P is not None:
+        return P[:, :, a:b]
+    return _in(buf, a_cos[a:b], a_sin[a:b], sin0)
 
 
 def _out(buf, n, o_cos, o_sin, sin0: bool):
@@ -365,13 +400,13 @@ def _check_biases(biases, bias_out, K, F, FO, dev, dt):
 def _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles, dt,
                     keep, sin0):  # fmt: skip
     """The gated layers (``K = len(bs) - 1``) and the output layer on one cohort's
-    planes ``src`` (n rows), through the two ``u`` buffers into ``yp``; z into
-    ``zk (K, n_ang, 2, n, F)`` with ``keep``. ``yp`` None: the gated layers only,
-    the output layer's weight and bias are not used."""
+    planes ``src`` (n rows), through the two ``u`` buffers into the planes ``yp``
+    (n rows); z into ``zk (K, n_ang, 2, n, F)`` with ``keep``. ``yp`` None: the
+    gated layers only, the output layer's weight and bias are not used."""
     K = len(bs) - 1
     for k in range(K + 1 if yp is not None else K):
         last = k == K
-        dst = yp[:, :, :n] if last else u[(k + 1) % 2][:, :, :n]
+        dst = yp if last else u[(k + 1) % 2][:, :, :n]
         z = zk[min(k, K - 1)] if K and keep else dst
         _launch(_layer_fwd_kernel, n, FO if last else F, precision, tiles,
                 *_planes(src), ws[k], ws[k] if bs[k] is None else bs[k],
@@ -382,13 +417,16 @@ def _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles, d
 
 
 def _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision, tiles, dt,
-                     sin0):  # fmt: skip
+                     sin0, final=None):  # fmt: skip
     """The backward of one cohort from the output gradient's planes ``src`` and its
-    kept ``zk (K, n_ang, 2, n, F)``: the planes of dx (one of ``du``)."""
+    kept ``zk (K, n_ang, 2, n, F)``: the planes of dx, into ``final`` (n rows) when
+    given, else one of ``du``."""
     K, res = len(wt) - 1, None
     for i, k in enumerate(reversed(range(K + 1))):  # W_out, then W_K .. W_1
         gate = k > 0  # dz for the layer below, from its z
         out, dzk = du[i % 2][:, :, :n], dz[i % 2][:, :, :n]
+        if k == 0 and final is not None:
+            out = final
         z = zk[k - 1] if gate else out
         r = out if res is None else res
         _launch(_layer_bwd_kernel, n, F, precision, tiles,
@@ -420,8 +458,12 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
     _check_biases(biases, bias_out, K, F, FO, dev, dt)
     z = x_cos.new_empty((K, n_ang, 2, E, F)) if keep else None
-    y_cos = x_cos.new_empty((E, FO, n_ang))
-    y_sin = torch.empty_like(y_cos)
+    xp = _as_planes(x_cos, x_sin)  # planes in: no copies, and planes out
+    if xp is not None:
+        yP, y_cos, y_sin = _planes_pair(x_cos, E, FO, n_ang)
+    else:
+        y_cos = x_cos.new_empty((E, FO, n_ang))
+        y_sin = torch.empty_like(y_cos)
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return y_cos, y_sin, z
@@ -429,14 +471,18 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     ws = [w.contiguous() for w in (*weights, weight_out)]
     bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
     u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
-    yp = x_cos.new_empty((n_ang, 2, c, FO))
+    yp = x_cos.new_empty((n_ang, 2, c, FO)) if xp is None else None
     for a, b in spans:
         n = b - a
-        src = _in(u[0], x_cos[a:b], x_sin[a:b], sin0_zero)
+        src = _rows_in(xp, a, b, u[0], x_cos, x_sin, sin0_zero)
+        dst = yP[:, :, a:b] if xp is not None else yp[:, :, :n]
         zk = z[:, :, :, a:b] if keep else None
-        _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles,
+        _forward_cohort(src, n, zk, ws, bs, u, dst, F, FO, n_ang, precision, tiles,
                         dt, keep, sin0_zero)  # fmt: skip
-        _out(yp, n, y_cos[a:b], y_sin[a:b], sin0_zero)
+        if xp is None:
+            _out(yp, n, y_cos[a:b], y_sin[a:b], sin0_zero)
+    if xp is not None and sin0_zero:
+        yP[0, 1].zero_()  # the m = 0 sin plane the kernels skip
     return y_cos, y_sin, z
 
 
@@ -445,6 +491,17 @@ def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
     _check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
     wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
     return n_ang, FO, F, wt
+
+
+def _grad_layouts(g_cos, g_sin, E, F, n_ang):
+    """``(gP, dxP, dx_cos, dx_sin)``: an output gradient that is a planes pair is
+    read in place (``gP``) and dx made a planes pair (``dxP``) for the next kernel
+    to read in place; else both None and dx contiguous rows."""
+    gP = _as_planes(g_cos, g_sin)
+    if gP is None:
+        dx_cos = g_cos.new_empty((E, F, n_ang))
+        return None, None, dx_cos, torch.empty_like(dx_cos)
+    return (gP, *_planes_pair(g_cos, E, F, n_ang))
 
 
 def _backward_buffers(like, n_ang, c, F, FO):
@@ -481,18 +538,21 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     _check("z", z, (K, n_ang, 2, E, F), dev)
     if not z.is_contiguous():
         raise ValueError("z must be contiguous, as stack_forward returns it")
-    dx_cos = g_cos.new_empty((E, F, n_ang))
-    dx_sin = torch.empty_like(dx_cos)
+    gP, dxP, dx_cos, dx_sin = _grad_layouts(g_cos, g_sin, E, F, n_ang)
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return dx_cos, dx_sin
     gp, du, dz = _backward_buffers(dx_cos, n_ang, spans[0][1], F, FO)
     for a, b in spans:
         n = b - a
-        src = _in(gp, g_cos[a:b], g_sin[a:b], sin0_zero)
+        src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
+        final = dxP[:, :, a:b] if dxP is not None else None
         res = _backward_cohort(src, n, z[:, :, :, a:b], wt, du, dz, F, FO, n_ang,
-                               precision, tiles, dt, sin0_zero)  # fmt: skip
-        _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
+                               precision, tiles, dt, sin0_zero, final)  # fmt: skip
+        if dxP is None:
+            _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
+    if dxP is not None and sin0_zero:
+        dxP[0, 1].zero_()  # the m = 0 sin plane the kernels skip
     return dx_cos, dx_sin
 
 
@@ -519,8 +579,7 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
                                        dt, E)  # fmt: skip
     _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
     _check_biases(biases, None, K, F, FO, dev, dt)
-    dx_cos = x_cos.new_empty((E, F, n_ang))
-    dx_sin = torch.empty_like(dx_cos)
+    gP, dxP, dx_cos, dx_sin = _grad_layouts(g_cos, g_sin, E, F, n_ang)
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return dx_cos, dx_sin
@@ -529,15 +588,20 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     bs = [None if b is None else b.contiguous() for b in biases]
     zc = x_cos.new_empty((K, n_ang, 2, c, F))
     gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
+    xp = _as_planes(x_cos, x_sin)
     for a, b in spans:
         n = b - a
-        src = _in(du[0], x_cos[a:b], x_sin[a:b], sin0_zero)
+        src = _rows_in(xp, a, b, du[0], x_cos, x_sin, sin0_zero)
         # the gated layers only (z_1 .. z_K), through the dz buffers
         zk = zc[:, :, :, :n]
         _forward_cohort(src, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
                         precision, tiles, dt, True, sin0_zero)  # fmt: skip
-        src = _in(gp, g_cos[a:b], g_sin[a:b], sin0_zero)
+        src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
+        final = dxP[:, :, a:b] if dxP is not None else None
         res = _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision,
-                               tiles, dt, sin0_zero)  # fmt: skip
-        _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
+                               tiles, dt, sin0_zero, final)  # fmt: skip
+        if dxP is None:
+            _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
+    if dxP is not None and sin0_zero:
+        dxP[0, 1].zero_()  # the m = 0 sin plane the kernels skip
     return dx_cos, dx_sin

@@ -152,15 +152,20 @@ class Frames:
         self.csr = (ptr_dst, perm_dst, torch.searchsorted(order.values, nodes),
                     order.indices)  # fmt: skip
 
-    def rotate_and_select(self, h, rho=None):
+    def rotate_and_select(self, h, rho=None, planes: bool = False):
         """``(x_cos, x_sin)`` as :func:`ecekern.reference.rotate_and_select`, each
-        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given."""
+        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given. With
+        ``planes``, the two are the views ``P[:, 0]`` and ``P[:, 1]`` (permuted to
+        ``(E, F, n_ang)``) of one ``P (n_ang, 2, E, F)``: the layout chapter 6's
+        layer kernels read, so the mixing stack takes them without a copy."""
         _check_h(h, self.n_nodes, self.L)
         reference._same("h", h, D=self.d)
         _check_rho(h, rho, self.d.shape[0], self.L)
+        if not isinstance(planes, bool):
+            raise TypeError(f"planes must be a bool, got {planes!r}")
         return _RotateFn.apply(
             h.contiguous(), self.d, rho, self.tab, self.src, self.dst, self.csr,
-            self.L, self.M, self.packed, self.launch,
+            self.L, self.M, self.packed, self.launch, planes,
         )  # fmt: skip
 
     def unrotate_and_aggregate(self, y_cos, y_sin, scale: float, edge_weight=None):
@@ -172,8 +177,8 @@ class Frames:
         _check_w(y_cos, edge_weight)
         if edge_weight is not None:
             edge_weight = edge_weight.contiguous()
-        return _UnrotateFn.apply(
-            y_cos.contiguous(), y_sin.contiguous(), self.d, edge_weight, self.tab,
+        return _UnrotateFn.apply(  # any strides: the kernels take them
+            y_cos, y_sin, self.d, edge_weight, self.tab,
             self.dst, self.row_ptr, float(scale), self.L, self.M, self.packed,
             self.launch,
         )  # fmt: skip

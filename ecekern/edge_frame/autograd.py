@@ -146,12 +146,12 @@ class _RotateFn(torch.autograd.Function):
     """``(h, d, rho) -> (x_cos, x_sin)``; the graph's index tensors ride along."""
 
     @staticmethod
-    def forward(ctx, h, d, rho, tab, src, dst, csr, L, M, packed, launch):
+    def forward(ctx, h, d, rho, tab, src, dst, csr, L, M, packed, launch, planes):
         ctx.save_for_backward(h, d, rho, tab, src, dst, *csr)
         ctx.meta = (L, M, packed, launch, csr[1] is None)
         if torch.compiler.is_compiling():
             return _rotate_op(h, d, tab, rho, *csr, L, M, packed)
-        return rotate_fwd(h, d, tab, rho, csr, L, M, packed, launch)
+        return rotate_fwd(h, d, tab, rho, csr, L, M, packed, launch, planes)
 
     @staticmethod
     def backward(ctx, gc, gs):
@@ -163,14 +163,14 @@ class _RotateFn(torch.autograd.Function):
             return (*_torch_grads(
                 lambda h, d, rho: rotate_torch(h, d, rho, src, dst, M, packed),
                 (h, d, rho), ctx.needs_input_grad[:3], (gc, gs),
-            ), *(None,) * 8)  # fmt: skip
-        gc, gs = gc.contiguous(), gs.contiguous()
+            ), *(None,) * 9)  # fmt: skip
         if torch.compiler.is_compiling():
+            gc, gs = gc.contiguous(), gs.contiguous()
             dh, dd, drho = _rotate_bwd_op(gc, gs, h, d, tab, rho, *csr, L, M, packed)
-        else:
+        else:  # any strides (a planes pair from chapter 6's kernels as it is)
             dh, dd, drho = rotate_bwd(gc, gs, h, d, tab, rho, csr, L, M, packed,
                                       launch)  # fmt: skip
-        return dh, dd, drho if rho is not None else None, *(None,) * 8
+        return dh, dd, drho if rho is not None else None, *(None,) * 9
 
 
 class _UnrotateFn(torch.autograd.Function):
@@ -181,6 +181,7 @@ class _UnrotateFn(torch.autograd.Function):
         ctx.save_for_backward(yc, ys, d, w, tab, dst, row_ptr)
         ctx.meta = (scale, L, M, packed, launch)
         if torch.compiler.is_compiling():
+            yc, ys = yc.contiguous(), ys.contiguous()
             return _unrotate_op(yc, ys, d, tab, w, row_ptr, scale, L, M, packed)
         return unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale, L, M, packed, launch)
 
@@ -200,6 +201,7 @@ class _UnrotateFn(torch.autograd.Function):
         G = G.contiguous()
         need_d, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         if torch.compiler.is_compiling():
+            yc, ys = yc.contiguous(), ys.contiguous()
             dyc, dys, dd, dw = _unrotate_bwd_op(
                 G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed
             )

@@ -42,6 +42,18 @@ def _segment(ptr_ptr, n, E):
 
 
 @triton.jit
+def _row_offsets(e, f0, offs_m, l: tl.constexpr, L: tl.constexpr, s_e, s_f, s_m):
+    """Offsets ``[BLOCK_E, C_PAD, NA_PAD]`` of the rows' elements ``(e, f0 (L+1) +
+    l, m)`` for element strides ``(s_e, s_f, s_m)``: the ``(E, F, n_ang)`` rows
+    ``(F n_ang, n_ang, 1)``, or views of ``(n_ang, 2, E, F)`` planes ``(F, 1,
+    2 E F)``, the layout chapter 6's layer kernels read (int64: a plane's stride
+    passes 2^31 at a few million edges)."""
+    f = (f0 * (L + 1) + l).to(tl.int64)
+    return (e[:, None, None] * s_e + f[None, :, None] * s_f
+            + offs_m.to(tl.int64)[None, None, :] * s_m)  # fmt: skip
+
+
+@triton.jit
 def _d_ptrs(d_ptr, tab_ptr, e, mask_e, offs_m, s: tl.constexpr, l: tl.constexpr,
             t: tl.constexpr, S: tl.constexpr, NA: tl.constexpr, J: tl.constexpr,
             PACKED: tl.constexpr):  # fmt: skip
@@ -74,14 +86,14 @@ def _d_pair(d_ptr, tab_ptr, e, mask_e, offs_m, s: tl.constexpr, l: tl.constexpr,
 @triton.jit
 def _rotate_fwd_kernel(
     h_ptr, d_ptr, tab_ptr, rho_ptr, ptr_ptr, perm_ptr, xc_ptr, xs_ptr,
-    E, C, stride_rho_e, stride_rho_f,
+    E, C, stride_rho_e, stride_rho_f, sx_e, sx_f, sx_m,
     L: tl.constexpr, NA: tl.constexpr, NA_PAD: tl.constexpr, C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr, SIDE: tl.constexpr, PERM: tl.constexpr,
     PACKED: tl.constexpr, HAS_RHO: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Node n, one side: ``x_t[e, SIDE*C + c, l, m]`` for the edges that read h[n]
     on this side, degree by degree (only the 2l+1 columns of degree l feed its
-    slots)."""
+    slots); x_t's element ``(e, f, m)`` at ``e sx_e + f sx_f + m sx_m``."""
     S: tl.constexpr = (L + 1) * (L + 1)
     J: tl.constexpr = (L + 1) * NA
     n = tl.program_id(0).to(tl.int64)
@@ -111,12 +123,7 @@ def _rotate_fwd_kernel(
                 ).to(ACC)  # fmt: skip
                 acc_c = acc_c * rho[:, :, None]
                 acc_s = acc_s * rho[:, :, None]
-            off = (
-                e[:, None, None] * (2 * C * J)
-                + rows[None, :, None] * J
-                + l * NA
-                + offs_m[None, None, :]
-            )
+            off = _row_offsets(e, rows, offs_m, l, L, sx_e, sx_f, sx_m)
             tl.store(xc_ptr + off, acc_c.to(xc_ptr.dtype.element_ty), mask=m3)
             tl.store(xs_ptr + off, acc_s.to(xs_ptr.dtype.element_ty), mask=m3)
 
@@ -125,7 +132,7 @@ def _rotate_fwd_kernel(
 def _rotate_bwd_kernel(
     gc_ptr, gs_ptr, h_ptr, d_ptr, tab_ptr, rho_ptr, ptr_ptr, perm_ptr,
     dh_ptr, dd_ptr, drho_ptr,
-    E, C, stride_rho_e, stride_rho_f,
+    E, C, stride_rho_e, stride_rho_f, sg_e, sg_f, sg_m,
     L: tl.constexpr, NA: tl.constexpr, NA_PAD: tl.constexpr, C_PAD: tl.constexpr,
     S_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SIDE: tl.constexpr,
     PERM: tl.constexpr, PACKED: tl.constexpr, HAS_RHO: tl.constexpr,
@@ -149,12 +156,7 @@ def _rotate_bwd_kernel(
         m2 = mask_e[:, None] & mask_c[None, :]
         m3 = m2[:, :, None] & (offs_m < NA)[None, None, :]
         for l in tl.static_range(L + 1):
-            off = (
-                e[:, None, None] * (2 * C * J)
-                + rows[None, :, None] * J
-                + l * NA
-                + offs_m[None, None, :]
-            )
+            off = _row_offsets(e, rows, offs_m, l, L, sg_e, sg_f, sg_m)
             g_c = tl.load(gc_ptr + off, mask=m3, other=0.0).to(ACC)
             g_s = tl.load(gs_ptr + off, mask=m3, other=0.0).to(ACC)
             if HAS_RHO:
@@ -212,7 +214,7 @@ def _rotate_bwd_kernel(
 @triton.jit
 def _unrotate_fwd_kernel(
     yc_ptr, ys_ptr, d_ptr, tab_ptr, w_ptr, ptr_ptr, out_ptr,
-    E, C, scale_hi, scale_lo,
+    E, C, scale_hi, scale_lo, sy_e, sy_f, sy_m,
     L: tl.constexpr, NA: tl.constexpr, NA_PAD: tl.constexpr, C_PAD: tl.constexpr,
     S_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PACKED: tl.constexpr,
     HAS_W: tl.constexpr, ACC: tl.constexpr,
@@ -234,12 +236,7 @@ def _unrotate_fwd_kernel(
         if HAS_W:
             w = tl.load(w_ptr + e, mask=mask_e, other=0.0).to(ACC)
         for l in tl.static_range(L + 1):
-            off = (
-                e[:, None, None] * (C * J)
-                + offs_c[None, :, None] * J
-                + l * NA
-                + offs_m[None, None, :]
-            )
+            off = _row_offsets(e, offs_c, offs_m, l, L, sy_e, sy_f, sy_m)
             y_c = tl.load(yc_ptr + off, mask=m3, other=0.0).to(ACC)
             y_s = tl.load(ys_ptr + off, mask=m3, other=0.0).to(ACC)
             if HAS_W:
@@ -263,13 +260,14 @@ def _unrotate_fwd_kernel(
 def _unrotate_bwd_kernel(
     g_ptr, yc_ptr, ys_ptr, d_ptr, tab_ptr, w_ptr, ptr_ptr,
     dyc_ptr, dys_ptr, dd_ptr, dw_ptr,
-    E, C, scale_hi, scale_lo,
+    E, C, scale_hi, scale_lo, sy_e, sy_f, sy_m,
     L: tl.constexpr, NA: tl.constexpr, NA_PAD: tl.constexpr, C_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr, PACKED: tl.constexpr, HAS_W: tl.constexpr,
     NEED_D: tl.constexpr, NEED_W: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Node n, merged: G[n] is read once per column; each in-edge gets dy, its dP
-    (or dD) and dw. Gathers only: nothing is summed across edges."""
+    (or dD) and dw. Gathers only: nothing is summed across edges. y and dy share
+    their element strides."""
     S: tl.constexpr = (L + 1) * (L + 1)
     J: tl.constexpr = (L + 1) * NA
     n = tl.program_id(0).to(tl.int64)
@@ -287,12 +285,7 @@ def _unrotate_bwd_kernel(
         kw = kw * scale_hi + kw * scale_lo
         dw = tl.zeros([BLOCK_E], ACC)
         for l in tl.static_range(L + 1):
-            off = (
-                e[:, None, None] * (C * J)
-                + offs_c[None, :, None] * J
-                + l * NA
-                + offs_m[None, None, :]
-            )
+            off = _row_offsets(e, offs_c, offs_m, l, L, sy_e, sy_f, sy_m)
             if NEED_D or NEED_W:
                 y_c = tl.load(yc_ptr + off, mask=m3, other=0.0).to(ACC)
                 y_s = tl.load(ys_ptr + off, mask=m3, other=0.0).to(ACC)

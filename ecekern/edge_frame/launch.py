@@ -110,16 +110,48 @@ def _meta(L: int, M: int, C: int) -> dict:
     }
 
 
+def rows_pair(E: int, F: int, NA: int, like: torch.Tensor, planes: bool):
+    """Two ``(E, F, n_ang)`` row tensors (cos, sin): contiguous, or with ``planes``
+    the views ``P[:, 0]`` and ``P[:, 1]`` of one ``P (n_ang, 2, E, F)`` (element
+    strides ``(F, 1, 2 E F)``), the layout chapter 6's layer kernels read."""
+    if not planes:
+        return (like.new_empty((E, F, NA)), like.new_empty((E, F, NA)))
+    P = like.new_empty((NA, 2, E, F))
+    return P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0)
+
+
+def shared_strides(a: torch.Tensor, b: torch.Tensor):
+    """``(a, b)`` with one set of element strides (as they are, or both made
+    contiguous)."""
+    if a.stride() == b.stride():
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
+def is_planes_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``(E, F, n_ang)`` tensors a and b are the cos and sin views of one
+    planes tensor as :func:`rows_pair` makes them."""
+    E, F, NA = a.shape
+    return (
+        E > 0
+        and a.stride() == b.stride() == (F, 1, 2 * E * F)
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.storage_offset() - a.storage_offset() == E * F
+    )
+
+
 def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
-               launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+               launch: EdgeFrameLaunch = LAUNCH,
+               planes: bool = False):  # fmt: skip
     """Launch the rotation, both sides: ``(x_cos, x_sin)``, each ``(E, 2C(L+1),
-    n_ang)`` contiguous. ``csr = (ptr_dst, perm_dst or None, ptr_src, perm_src)``."""
+    n_ang)``, contiguous or (``planes``) views of one planes tensor
+    (:func:`rows_pair`). ``csr = (ptr_dst, perm_dst or None, ptr_src,
+    perm_src)``."""
     N, S, C = h.shape
     N, C = int(N), int(C)
     E = d.shape[0]
     F, NA = 2 * C * (L + 1), M + 1
-    xc = torch.empty((E, F, NA), device=h.device, dtype=h.dtype)
-    xs = torch.empty((E, F, NA), device=h.device, dtype=h.dtype)
+    xc, xs = rows_pair(E, F, NA, h, planes)
     if N == 0 or E == 0 or C == 0:
         return xc.zero_(), xs.zero_()
     rho_args = (rho, rho.stride(0), rho.stride(1)) if rho is not None else (h, 0, 0)
@@ -127,7 +159,7 @@ def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
     for side, ptr, perm in ((0, ptr_dst, perm_dst), (1, ptr_src, perm_src)):
         _rotate_fwd_kernel[(N,)](
             h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr, xc, xs,
-            E, C, rho_args[1], rho_args[2], **_meta(L, M, C),
+            E, C, rho_args[1], rho_args[2], *xc.stride(), **_meta(L, M, C),
             BLOCK_E=launch.rotate_block, SIDE=side, PERM=perm is not None,
             PACKED=packed, HAS_RHO=rho is not None, ACC=_acc(h.dtype),
             num_warps=launch.rotate_warps,
@@ -138,7 +170,9 @@ def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
 def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
                launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
     """Launch the merged backward, both sides: ``(dh, dd, drho or None)``; dd has
-    d's shape (P's, or D's with zeros off the selected entries)."""
+    d's shape (P's, or D's with zeros off the selected entries). ``gc, gs``: any
+    strides, read as they are when they share them."""
+    gc, gs = shared_strides(gc, gs)
     N, S, C = h.shape
     N, C = int(N), int(C)
     E = d.shape[0]
@@ -155,7 +189,7 @@ def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
         _rotate_bwd_kernel[(N,)](
             gc, gs, h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr,
             dh, dd, drho if drho is not None else dh,
-            E, C, rho_args[1], rho_args[2], **_meta(L, M, C),
+            E, C, rho_args[1], rho_args[2], *gc.stride(), **_meta(L, M, C),
             S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.rotate_bwd_block,
             SIDE=side, PERM=perm is not None, PACKED=packed,
             HAS_RHO=rho is not None, ACC=_acc(h.dtype),
@@ -168,7 +202,9 @@ def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
                  packed: bool,
                  launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
     """Launch the unrotation with the aggregation: ``Delta (N, S, C')``, one program
-    per destination node; y contiguous, edges dst-sorted."""
+    per destination node; y of any strides (read as they are when cos and sin share
+    them), edges dst-sorted."""
+    yc, ys = shared_strides(yc, ys)
     E = yc.shape[0]
     C = int(yc.shape[1]) // (L + 1)
     S = (L + 1) ** 2
@@ -178,7 +214,7 @@ def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
         return out.zero_()
     _unrotate_fwd_kernel[(N,)](
         yc, ys, d, tab, w if w is not None else yc, row_ptr, out,
-        E, C, *split_scale(scale), **_meta(L, M, C),
+        E, C, *split_scale(scale), *yc.stride(), **_meta(L, M, C),
         S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.unrotate_block,
         PACKED=packed, HAS_W=w is not None, ACC=_acc(yc.dtype),
         num_warps=launch.unrotate_warps,
@@ -189,13 +225,20 @@ def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
 def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
                  packed: bool, need_d: bool = True, need_w: bool = True,
                  launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
-    """Launch the merged backward: ``(dy_cos, dy_sin, dd or None, dw or None)``."""
+    """Launch the merged backward: ``(dy_cos, dy_sin, dd or None, dw or None)``;
+    dy in y's layout when y is a planes pair (:func:`rows_pair`), else
+    contiguous."""
+    yc, ys = shared_strides(yc, ys)
     E = yc.shape[0]
     C = int(yc.shape[1]) // (L + 1)
     N = row_ptr.shape[0] - 1
     need_w = need_w and w is not None
-    dyc = torch.zeros_like(yc)
-    dys = torch.zeros_like(ys)
+    planes = is_planes_pair(yc, ys)
+    dyc, dys = rows_pair(E, yc.shape[1], yc.shape[2], yc, planes)
+    if planes:  # one fill for the pair (every row of an edge in a segment is set)
+        dyc.as_strided((2 * E * yc.shape[1] * yc.shape[2],), (1,)).zero_()
+    else:
+        dyc.zero_(), dys.zero_()
     dd = torch.zeros_like(d) if need_d else None
     dw = torch.zeros_like(w) if need_w else None
     if N == 0 or E == 0 or C == 0:
@@ -203,7 +246,7 @@ def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
     _unrotate_bwd_kernel[(N,)](
         G, yc, ys, d, tab, w if w is not None else yc, row_ptr,
         dyc, dys, dd if need_d else dyc, dw if need_w else dyc,
-        E, C, *split_scale(scale), **_meta(L, M, C),
+        E, C, *split_scale(scale), *yc.stride(), **_meta(L, M, C),
         BLOCK_E=launch.unrotate_bwd_block, PACKED=packed, HAS_W=w is not None,
         NEED_D=need_d, NEED_W=need_w, ACC=_acc(yc.dtype),
         num_warps=launch.unrotate_bwd_warps,
