@@ -90,6 +90,17 @@ def _ncu(out: Path) -> str:
     return run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
 
 
+def _planes_copy(rows):
+    """Copies of a (cos, sin) pair of ``(E, W, n_ang)`` rows as the views of one
+    ``(n_ang, 2, E, W)`` planes tensor."""
+    from ecekern.edge_frame.launch import rows_pair
+
+    pair = rows_pair(*rows[0].shape, rows[0], True)
+    for a, b in zip(pair, rows, strict=True):
+        a.copy_(b.detach())
+    return list(pair)
+
+
 def _stack(out: Path, reps: list[int], dev: str) -> str:
     import ecekern
     from ecekern import cohorts, reference
@@ -108,24 +119,29 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
         )
         E = graph.n_edges
-        x = [
+        x_rows = [
             torch.randn(E, cfg.F, cfg.n_ang, device=dev, requires_grad=True)
             for _ in range(2)
         ]
-        gy = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
-        gy.append(torch.randn_like(gy[0]))
+        gy_rows = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
+        gy_rows.append(torch.randn_like(gy_rows[0]))
+        # the layer kernels get their rows as the model hands them over: planes
+        # pairs (chapter 3's planes=True), the same values, no copies
+        xp = [t.requires_grad_() for t in _planes_copy(x_rows)]
+        gyp = _planes_copy(gy_rows)
         cases = [(*c, None) for c in COHORTS]
         cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
         label, p, c = FUSED_RECOMPUTE
         cases.append((label, c, True, p))
         for label, cohort, recompute, fused in cases:
-            why = fused and why_not_layers(x[0], layer.out.weight, fused)
+            why = fused and why_not_layers(x_rows[0], layer.out.weight, fused)
             if why:  # the interpreter's tiny model: widths without a factor 16
                 rows.append({"stack": label, "n_edges": E, "note": why})
                 bench.write_csv(rows, out / "stack.csv")
                 continue
 
             def run(cohort=cohort, recompute=recompute, fused=fused):
+                x, gy = (xp, gyp) if fused else (x_rows, gy_rows)
                 if cohort is None:
                     y = reference.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,

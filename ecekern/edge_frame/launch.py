@@ -234,6 +234,8 @@ def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
     N = row_ptr.shape[0] - 1
     need_w = need_w and w is not None
     planes = is_planes_pair(yc, ys)
+    if not planes:  # dy is written with y's strides: make them the rows'
+        yc, ys = yc.contiguous(), ys.contiguous()
     dyc, dys = rows_pair(E, yc.shape[1], yc.shape[2], yc, planes)
     if planes:  # one fill for the pair (every row of an edge in a segment is set)
         dyc.as_strided((2 * E * yc.shape[1] * yc.shape[2],), (1,)).zero_()
