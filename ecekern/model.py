@@ -247,8 +247,11 @@ class _RebuiltInBackward:
         return self
 
     def __exit__(self, *exc):
-        self.x = (None, None)  # the recipe outlives the forward, the rows must not
-        return self.hooks.__exit__(*exc)
+        # the recipe outlives the forward, the rows must not; and the hooks object
+        # holds this one's methods: kept, it would make a reference cycle that only
+        # the garbage collector frees, with h and rho in it, step after step
+        hooks, self.hooks, self.x = self.hooks, None, (None, None)
+        return hooks.__exit__(*exc)
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:

@@ -312,8 +312,7 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
 
     from ecekern import model as model_mod
 
-    small = dict(channels=16, lmax=1, cutoff=2.0) if fused != "off" else {}
-    cfg = ecekern.ECEConfig(**{"channels": 4, "cutoff": 3.0, **small},
+    cfg = ecekern.ECEConfig(channels=16 if fused != "off" else 4, lmax=1, cutoff=2.0,
                             radial_hidden=8, readout_hidden=8, n_gated=2)  # fmt: skip
     model = ecekern.ECEModel(cfg).double()
     inputs = prepare_inputs(
@@ -357,6 +356,26 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
             e2, f2 = force_step(model, *inputs, create_graph=True)
             g2 = torch.autograd.grad((f2**2).sum(), params, allow_unused=True)
         out[recompute] = (energy.detach(), -grad, [g for g in g2 if g is not None])
+    # after the step, the recipe (and the h and rho it holds) goes with the graph,
+    # by reference counting alone: no cycle left for the garbage collector
+    made = []
+    real_init = model_mod._RebuiltInBackward.__init__
+
+    def init_spy(self, *args):
+        made.append(weakref.ref(self))
+        real_init(self, *args)
+
+    monkeypatch.setattr(model_mod._RebuiltInBackward, "__init__", init_spy)
+    gc.collect()
+    gc.disable()
+    try:
+        with options.use(cohorts=True, cohort_recompute=True, edge_frame=edge_frame,
+                         cohort_edges=64, cohort_fused=fused):  # fmt: skip
+            force_step(model, *inputs)
+        assert len(made) == cfg.n_interactions
+        assert all(r() is None for r in made)
+    finally:
+        gc.enable()
     (e0, f0, g0), (e1, f1, g1) = out[False], out[True]
     assert rel_err(e1, e0) < 1e-12 and rel_err(f1, f0) < 1e-12
     assert len(g0) == len(g1) > 0
