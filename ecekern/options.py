@@ -63,9 +63,11 @@ class Options:
             for CUDA tensors, where it was measured (a quarter less peak memory, the
             step no slower); True or False everywhere.
         cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
-        cohort_recompute: with ``cohorts``, keep only the stack's input and recompute
-            its forward in the backward (the least memory); False keeps the
-            pre-activations too, and a force step's backward runs no linear twice.
+        cohort_recompute: with ``cohorts``, recompute the stack's forward in the
+            backward, and in the model keep not even its input: the backward
+            rebuilds it by the rotation (the least memory: chapter 6, 7.6 GiB at
+            4096 atoms); False keeps the input and the pre-activations, and a force
+            step's backward runs no linear twice.
         cohort_fused: with ``cohorts``, the stack's forward and force backward by
             the layer kernels (:func:`ecekern.cohorts.layers.stack_forward`,
             :func:`~ecekern.cohorts.layers.stack_backward`; with

@@ -31,14 +31,18 @@ Shapes: ``x_cos, x_sin, dx_cos, dx_sin (E, F, n_ang)``, any strides;
 ``W_k (n_ang, F, F)``, ``W_out (n_ang, F', F)``; ``y, dy (E, F', n_ang)``. Between
 layers the rows are *planes* ``(n_ang, 2, E, F)`` (order, cos/sin, edge, feature),
 so that a product's operand rows are contiguous; the kept pre-activations are
-``z (K, n_ang, 2, E, F)``.
+``z (K, n_ang, 2, E, F)``. Rows that are a *planes pair*, the cos and sin views
+``P[:, 0]``, ``P[:, 1]`` of one such ``P`` (chapter 3's ``planes=True``), are read
+in place, and y (for planes x) and dx (for planes dy) are handed out as planes
+pairs; other rows are copied into planes buffers a cohort at a time, and back.
 
 Bytes model (DRAM, values of ``E F n_ang``, cos and sin): forward, each gated layer
 reads u and writes z and u (6), the output layer reads u and writes y
 (``2 + 2 F'/F``); backward, the top stage reads dy and z_K and writes du and dz
 (``6 + 2 F'/F``), each middle stage reads dz, du and z and writes du and dz (10),
 the last reads dz and du and writes dx (6). At K = 2, F' = F/2: 15 forward,
-23 backward; the copies to and from planes add 6 each way; with ``sin0_zero``, all
+23 backward; copying rows that are not planes pairs adds 6 each way; with
+``sin0_zero``, all
 of it ``1 - 1/(2 n_ang)`` (five sixths at n_ang = 3). Recomputing adds the gated
 layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (times
 ``1 - 1/(2 n_ang)`` with ``sin0_zero``).

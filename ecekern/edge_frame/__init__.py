@@ -44,8 +44,10 @@ Bytes (fp32, L = M = 2, C = 32, E = 365k): the rotation writes x (1.68 GB) and r
 twice (0.16 GB) and rho; the unrotation reads y (0.84 GB) and P and writes node rows.
 
 Status: fp64 (fp64 accumulation) and fp32 (fp32 accumulation), L = 1..4,
-M <= L, any C, E = 0, nodes without edges, any strides (made contiguous), int64
-offsets; D must be block-diagonal over degrees (a Wigner matrix): the entries off the
+M <= L, any C, E = 0, nodes without edges, any strides (the rows x, y and their
+gradients read and written with their element strides, as for the planes pairs of
+``rotate_and_select(..., planes=True)``; the rest made contiguous), int64 offsets;
+D must be block-diagonal over degrees (a Wigner matrix): the entries off the
 blocks are not read and get no gradient. Half precisions fall back to the reference,
 loudly (not validated: the two side launches would round dh and dP to 16 bits between
 them).
