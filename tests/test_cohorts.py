@@ -311,6 +311,7 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
     import weakref
 
     from ecekern import model as model_mod
+    from ecekern import rebuild as rebuild_mod
 
     cfg = ecekern.ECEConfig(channels=16 if fused != "off" else 4, lmax=1, cutoff=2.0,
                             radial_hidden=8, readout_hidden=8, n_gated=2)  # fmt: skip
@@ -321,7 +322,7 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
     seen, rebuilt = [], []
     real_stack, real_unpack = (
         model_mod._cohort_stack,
-        model_mod._RebuiltInBackward.unpack,
+        rebuild_mod.RebuiltInBackward.unpack,
     )
 
     def stack_spy(layer, x_cos, x_sin):
@@ -336,7 +337,7 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
         return real_unpack(self, saved)
 
     monkeypatch.setattr(model_mod, "_cohort_stack", stack_spy)
-    monkeypatch.setattr(model_mod._RebuiltInBackward, "unpack", unpack_spy)
+    monkeypatch.setattr(rebuild_mod.RebuiltInBackward, "unpack", unpack_spy)
     params = list(model.parameters())
     out = {}
     for recompute in (False, True):
@@ -359,13 +360,13 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
     # after the step, the recipe (and the h and rho it holds) goes with the graph,
     # by reference counting alone: no cycle left for the garbage collector
     made = []
-    real_init = model_mod._RebuiltInBackward.__init__
+    real_init = rebuild_mod.RebuiltInBackward.__init__
 
     def init_spy(self, *args):
         made.append(weakref.ref(self))
         real_init(self, *args)
 
-    monkeypatch.setattr(model_mod._RebuiltInBackward, "__init__", init_spy)
+    monkeypatch.setattr(rebuild_mod.RebuiltInBackward, "__init__", init_spy)
     gc.collect()
     gc.disable()
     try:
