@@ -64,11 +64,20 @@ in TF32 (chapter 6's Nsight captures).
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 
 from .._triton import INTERPRET, tl, triton, why_not_triton
+from .planes import (
+    _as_planes,
+    _backward_buffers,
+    _cohorts,
+    _grad_layouts,
+    _out,
+    _planes,
+    _planes_pair,
+    _rows_in,
+)
 
 __all__ = [
     "PRECISIONS",
@@ -291,12 +300,6 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     return n_ang, FO, F
 
 
-def _planes(p):
-    """``(p, stride_m, stride_c)`` of planes ``(n_ang, 2, rows, width)``, rows
-    contiguous."""
-    return (p, p.stride(0), p.stride(1))
-
-
 def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
     BE, BN, BK, warps, stages = tiles or TILES[precision]
     BN = min(BN, _block(NOUT))
@@ -310,75 +313,12 @@ def _dt(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _cohorts(E: int, cohort_edges: int):
-    """``(a, b)`` row ranges of at most ``cohort_edges`` rows."""
-    if isinstance(cohort_edges, bool) or not isinstance(cohort_edges, numbers.Integral):
-        raise TypeError(f"cohort_edges must be an int, got {cohort_edges!r}")
-    if cohort_edges < 1:
-        raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
-    c = int(cohort_edges)
-    return [(a, min(a + c, E)) for a in range(0, E, c)]
-
-
 def _flags(**flags) -> None:
     """A TypeError for a flag that is not a bool (``sin0_zero=2`` would skip a
     plane the kernels then read)."""
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
-
-
-def _as_planes(a_cos, a_sin):
-    """The ``(n_ang, 2, E, width)`` planes that rows ``a_cos``, ``a_sin`` ``(E,
-    width, n_ang)`` are the cos and sin views of (chapter 3's ``planes=True``
-    rows, or this module's outputs), or None: then they are copied in."""
-    E, W, n_ang = a_cos.shape
-    st = a_cos.stride()
-    if (
-        E == 0
-        or a_sin.stride() != st
-        or st[:2] != (W, 1)
-        or a_sin.dtype != a_cos.dtype
-        or a_sin.untyped_storage().data_ptr() != a_cos.untyped_storage().data_ptr()
-    ):
-        return None
-    s_c = a_sin.storage_offset() - a_cos.storage_offset()
-    if s_c < E * W or (n_ang > 1 and st[2] < s_c + E * W):
-        return None  # not two disjoint sets of planes
-    return a_cos.as_strided((n_ang, 2, E, W), (st[2], s_c, W, 1))
-
-
-def _planes_pair(like, E: int, W: int, n_ang: int):
-    """New planes ``(n_ang, 2, E, W)`` and their cos and sin rows ``(E, W, n_ang)``
-    (the views :func:`_as_planes` finds again)."""
-    P = like.new_empty((n_ang, 2, E, W))
-    return P, P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0)
-
-
-def _in(buf, a_cos, a_sin, sin0: bool):
-    """Rows ``(n, F, n_ang)`` into the first n rows of planes ``buf`` (with ``sin0``
-    not the m = 0 sin plane, which the kernels then never read)."""
-    n = a_cos.shape[0]
-    buf[:, 0, :n].copy_(a_cos.permute(2, 0, 1))
-    buf[int(sin0) :, 1, :n].copy_(a_sin[..., int(sin0) :].permute(2, 0, 1))
-    return buf[:, :, :n]
-
-
-def _rows_in(P, a, b, buf, a_cos, a_sin, sin0: bool):
-    """Rows a..b as planes: a view of ``P`` when the rows are a planes pair
-    (:func:`_as_planes`), else copied into ``buf`` (:func:`_in`)."""
-    if P is not None:
-        return P[:, :, a:b]
-    return _in(buf, a_cos[a:b], a_sin[a:b], sin0)
-
-
-def _out(buf, n, o_cos, o_sin, sin0: bool):
-    """The first n rows of planes ``buf`` out into rows ``(n, F, n_ang)`` (with
-    ``sin0``, zeros for the m = 0 sin plane, which the kernels did not write)."""
-    o_cos.copy_(buf[:, 0, :n].permute(1, 2, 0))
-    o_sin[..., int(sin0) :].copy_(buf[int(sin0) :, 1, :n].permute(1, 2, 0))
-    if sin0:
-        o_sin[..., 0].zero_()
 
 
 def _check_rows(E, F, n_ang, dev, dt, **rows):
@@ -495,26 +435,6 @@ def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
     _check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
     wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
     return n_ang, FO, F, wt
-
-
-def _grad_layouts(g_cos, g_sin, E, F, n_ang):
-    """``(gP, dxP, dx_cos, dx_sin)``: an output gradient that is a planes pair is
-    read in place (``gP``) and dx made a planes pair (``dxP``) for the next kernel
-    to read in place; else both None and dx contiguous rows."""
-    gP = _as_planes(g_cos, g_sin)
-    if gP is None:
-        dx_cos = g_cos.new_empty((E, F, n_ang))
-        return None, None, dx_cos, torch.empty_like(dx_cos)
-    return (gP, *_planes_pair(g_cos, E, F, n_ang))
-
-
-def _backward_buffers(like, n_ang, c, F, FO):
-    """One cohort's planes for the backward, reused from cohort to cohort: the
-    output gradient ``gp`` and two each of ``du`` and ``dz``."""
-    gp = like.new_empty((n_ang, 2, c, FO))
-    du = [like.new_empty((n_ang, 2, c, F)) for _ in range(2)]
-    dz = [like.new_empty((n_ang, 2, c, F)) for _ in range(2)]
-    return gp, du, dz
 
 
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
