@@ -213,7 +213,13 @@ def test_planes_layout(variant):
     planes-laid-out output gradients, an unrotation of planes rows and its dy (in
     the planes layout), all equal to the contiguous rows'; a pair of two different
     layouts is read right too."""
-    from ecekern.edge_frame.launch import is_planes_pair, rows_pair
+    from ecekern._planes import as_planes, planes_pair
+
+    def is_planes_pair(a, b):
+        return as_planes(a, b) is not None
+
+    def rows_pair(E, W, n_ang, like, planes):
+        return planes_pair(like, E, W, n_ang)[1:]
 
     L, M = 2, 2
     leaves, (src, dst, row_ptr) = _inputs(33, 6, L, M, 3, 2)
@@ -242,8 +248,18 @@ def test_planes_layout(variant):
     assert rel_err(outp, out) < 1e-14 and rel_err(mixed, out) < 1e-14
     G = torch.randn_like(out)
     want = torch.autograd.grad(out, (yc, ys, D, w), G, retain_graph=True)
-    got = torch.autograd.grad(outp, (*yp, D, w), G)
+    got = torch.autograd.grad(outp, (*yp, D, w), G, retain_graph=True)
     assert is_planes_pair(got[0], got[1])
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-14
+    wide = torch.zeros((M + 1, 3, *yc.shape[:2]), dtype=yc.dtype, device=yc.device)
+    gapped = [wide[:, k].permute(1, 2, 0) for k in (0, 2)]  # planes with a gap
+    for a, b in zip(gapped, (yc, ys), strict=True):
+        a.copy_(b.detach())
+    gapped = [t.requires_grad_() for t in gapped]
+    outg = frames.unrotate_and_aggregate(*gapped, 0.37, w)
+    got = torch.autograd.grad(outg, (*gapped, D, w), G)
+    assert rel_err(outg, out) < 1e-14
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-14
     with pytest.raises(TypeError, match="planes"):

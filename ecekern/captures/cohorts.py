@@ -93,9 +93,9 @@ def _ncu(out: Path) -> str:
 def _planes_copy(rows):
     """Copies of a (cos, sin) pair of ``(E, W, n_ang)`` rows as the views of one
     ``(n_ang, 2, E, W)`` planes tensor."""
-    from ecekern.edge_frame.launch import rows_pair
+    from ecekern._planes import planes_pair
 
-    pair = rows_pair(*rows[0].shape, rows[0], True)
+    _, *pair = planes_pair(rows[0], *rows[0].shape)
     for a, b in zip(pair, rows, strict=True):
         a.copy_(b.detach())
     return list(pair)

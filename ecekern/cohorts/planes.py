@@ -14,6 +14,9 @@ import numbers
 
 import torch
 
+from .._planes import as_planes as _as_planes
+from .._planes import planes_pair as _planes_pair
+
 
 def _planes(p):
     """``(p, stride_m, stride_c)`` of planes ``(n_ang, 2, rows, width)``, rows
@@ -29,33 +32,6 @@ def _cohorts(E: int, cohort_edges: int):
         raise ValueError(f"cohort_edges must be at least 1, got {cohort_edges}")
     c = int(cohort_edges)
     return [(a, min(a + c, E)) for a in range(0, E, c)]
-
-
-def _as_planes(a_cos, a_sin):
-    """The ``(n_ang, 2, E, width)`` planes that rows ``a_cos``, ``a_sin`` ``(E,
-    width, n_ang)`` are the cos and sin views of (chapter 3's ``planes=True``
-    rows, or this module's outputs), or None: then they are copied in."""
-    E, W, n_ang = a_cos.shape
-    st = a_cos.stride()
-    if (
-        E == 0
-        or a_sin.stride() != st
-        or st[:2] != (W, 1)
-        or a_sin.dtype != a_cos.dtype
-        or a_sin.untyped_storage().data_ptr() != a_cos.untyped_storage().data_ptr()
-    ):
-        return None
-    s_c = a_sin.storage_offset() - a_cos.storage_offset()
-    if s_c < E * W or (n_ang > 1 and st[2] < s_c + E * W):
-        return None  # not two disjoint sets of planes
-    return a_cos.as_strided((n_ang, 2, E, W), (st[2], s_c, W, 1))
-
-
-def _planes_pair(like, E: int, W: int, n_ang: int):
-    """New planes ``(n_ang, 2, E, W)`` and their cos and sin rows ``(E, W, n_ang)``
-    (the views :func:`_as_planes` finds again)."""
-    P = like.new_empty((n_ang, 2, E, W))
-    return P, P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0)
 
 
 def _in(buf, a_cos, a_sin, sin0: bool):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._planes import as_planes, planes_pair
 from .._triton import split_scale, tl, triton
 from ..so3 import lm_tables, table_mode
 from .kernels import (
@@ -112,12 +113,11 @@ def _meta(L: int, M: int, C: int) -> dict:
 
 def rows_pair(E: int, F: int, NA: int, like: torch.Tensor, planes: bool):
     """Two ``(E, F, n_ang)`` row tensors (cos, sin): contiguous, or with ``planes``
-    the views ``P[:, 0]`` and ``P[:, 1]`` of one ``P (n_ang, 2, E, F)`` (element
-    strides ``(F, 1, 2 E F)``), the layout chapter 6's layer kernels read."""
-    if not planes:
-        return (like.new_empty((E, F, NA)), like.new_empty((E, F, NA)))
-    P = like.new_empty((NA, 2, E, F))
-    return P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0)
+    a planes pair (:func:`ecekern._planes.planes_pair`), the layout chapter 6's
+    layer kernels read."""
+    if planes:
+        return planes_pair(like, E, F, NA)[1:]
+    return (like.new_empty((E, F, NA)), like.new_empty((E, F, NA)))
 
 
 def shared_strides(a: torch.Tensor, b: torch.Tensor):
@@ -126,18 +126,6 @@ def shared_strides(a: torch.Tensor, b: torch.Tensor):
     if a.stride() == b.stride():
         return a, b
     return a.contiguous(), b.contiguous()
-
-
-def is_planes_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``(E, F, n_ang)`` tensors a and b are the cos and sin views of one
-    planes tensor as :func:`rows_pair` makes them."""
-    E, F, NA = a.shape
-    return (
-        E > 0
-        and a.stride() == b.stride() == (F, 1, 2 * E * F)
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and b.storage_offset() - a.storage_offset() == E * F
-    )
 
 
 def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
@@ -233,7 +221,8 @@ def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
     C = int(yc.shape[1]) // (L + 1)
     N = row_ptr.shape[0] - 1
     need_w = need_w and w is not None
-    planes = is_planes_pair(yc, ys)
+    P = as_planes(yc, ys)
+    planes = P is not None and P.is_contiguous()  # dy made alike: one set of strides
     if not planes:  # dy is written with y's strides: make them the rows'
         yc, ys = yc.contiguous(), ys.contiguous()
     dyc, dys = rows_pair(E, yc.shape[1], yc.shape[2], yc, planes)
