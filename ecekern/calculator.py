@@ -111,20 +111,21 @@ class ECECalculator(Calculator):
         if dtype is None:
             dtype = model_dtype
         if dtype not in (torch.float32, torch.float64):
-            raise ValueError(
+            raise TypeError(
                 f"dtype must be torch.float32 or torch.float64, got {dtype!r}"
             )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if not isinstance(graph_step, bool):  # every check before the model changes
+            raise TypeError(f"graph_step must be a bool, got {graph_step!r}")
+        super().__init__(**kwargs)
         if dtype != model_dtype:  # only reachable with an explicit dtype
             model.to(dtype=dtype)
-        model.to(device=torch.device(device))
-        super().__init__(**kwargs)
+        model.to(device=device)
         self.model = model
         self.dtype = dtype
         self.device = next(model.parameters()).device  # "cuda" -> "cuda:0"
-        if not isinstance(graph_step, bool):
-            raise TypeError(f"graph_step must be a bool, got {graph_step!r}")
         self.graph_step = graph_step
         self._step: GraphStep | None = None  # kept while the atoms' numbers stay
         self._step_key = None

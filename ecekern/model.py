@@ -35,7 +35,8 @@ class ECEConfig:
     """Hyper-parameters of :class:`ECEModel`; the defaults are the book's model.
 
     Attributes:
-        lmax: L, the largest degree (1..4 tested).
+        lmax: L, the largest degree, 1..6 (the model is tested at 1..4, the Wigner
+            matrices and harmonics to 6).
         mmax: M <= L, the largest azimuthal order kept in the edge frame (None: L).
         channels: C, channels per spherical component.
         n_interactions: interaction layers (>= 1: only they make the energy depend on
@@ -87,7 +88,9 @@ class ECEConfig:
                 f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)"
             )
         if self.mmax is not None and not (
-            isinstance(self.mmax, int) and 0 <= self.mmax <= self.lmax
+            isinstance(self.mmax, int)
+            and not isinstance(self.mmax, bool)
+            and 0 <= self.mmax <= self.lmax
         ):
             raise ValueError(f"ECEConfig.mmax must be in [0, lmax], got {self.mmax!r}")
         cutoff = self.cutoff
@@ -175,7 +178,8 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
     ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
     is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
     layer kernels skip it (``sin0_zero``); the linears compute on it as it is (a
-    zeroed copy would be one more activation kept)."""
+    zeroed copy would be one more activation kept), also where the kernels were
+    asked for and fall back (then ``mixing_stack`` zeroes a copy itself)."""
     path, now = layer.out.path, options.current()
     fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
 
@@ -435,6 +439,7 @@ class ECEModel(nn.Module):
                             y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
                         del rebuild
                 else:
+                    options.warn_unused_cohort_options(x_cos.device.type)
                     u_cos, u_sin = x_cos, x_sin
                     for lin in layer.gated:
                         z_cos, z_sin = lin(u_cos, u_sin)
@@ -539,7 +544,10 @@ def energy_and_forces(
             )
     if device is not None:
         want = torch.device(device)
-        if want.type != p.device.type or want.index not in (None, p.device.index):
+        same = want.type == p.device.type and (
+            want.type == "cpu" or want.index in (None, p.device.index)
+        )  # "cpu:0" is the CPU; "cuda" is the current GPU
+        if not same:
             raise ValueError(
                 f"device={str(want)!r} but the model is on {p.device}, and "
                 f"energy_and_forces does not move it: call model.to({str(want)!r}) "

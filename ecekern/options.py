@@ -4,7 +4,10 @@ On CUDA the defaults take every validated fast path; on the CPU the reference ru
 One typed object, :class:`Options`, says which implementation each stage uses. The
 process-wide value comes from the defaults, overridden by environment variables
 ``ECEKERN_<FIELD>`` (``ECEKERN_REFERENCE=1``, ``ECEKERN_LINEAR=dense``), and can be
-changed for a block of code with :func:`use`::
+changed for a block of code with :func:`use`. A bad value is a ValueError naming the
+variable when ``ecekern`` is imported; an ``ECEKERN_`` name that nothing reads (a
+misspelt option) is a warning there; ``ECEKERN_COHORTS`` empty or ``auto`` is the
+default (on for CUDA tensors)::
 
     with ecekern.options.use(reference=True):   # the einsum reference everywhere
         energy, forces = ecekern.energy_and_forces(model, atoms)
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -30,6 +34,7 @@ __all__ = [
     "SlowerKernelWarning",
     "current",
     "fallback",
+    "warn_unused_cohort_options",
     "set_options",
     "slower",
     "use",
@@ -97,8 +102,11 @@ class Options:
             ):
                 raise TypeError(f"option {name} must be a bool, got {value!r}")
         c = self.cohort_edges
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise TypeError(f"cohort_edges must be a positive int, got {c!r}")
+        if c < 1:
             raise ValueError(f"cohort_edges must be a positive int, got {c!r}")
+        object.__setattr__(self, "cohort_edges", int(c))  # np.int64 and the like
         if self.cohort_fused not in COHORT_FUSED:
             raise ValueError(
                 f"cohort_fused must be one of {COHORT_FUSED}, got {self.cohort_fused!r}"
@@ -141,8 +149,8 @@ def _from_environment(base: Options) -> Options:
             raw = os.environ[name]
             if f.type in (bool, "bool"):
                 changes[f.name] = _parse_bool(name, raw)
-            elif f.type in ("bool | None",):  # "auto" or a boolean
-                auto = raw.strip().lower() == "auto"
+            elif f.type in ("bool | None",):  # "auto" (or empty) or a boolean
+                auto = raw.strip().lower() in ("auto", "")
                 changes[f.name] = None if auto else _parse_bool(name, raw)
             elif f.type in (int, "int"):
                 changes[f.name] = _parse_int(name, raw)
@@ -155,6 +163,25 @@ def _from_environment(base: Options) -> Options:
         raise ValueError(f"environment variable(s) {names}: {exc}") from None
 
 
+#: ECEKERN_ variables read elsewhere: the captures' provenance and launches, and the
+#: zonal op's registration.
+_OTHER_VARIABLES = ("COMMIT", "CAPTURES", "CAPTURE_LINEAR", "CAPTURE_ZONAL", "ZONAL_OP")
+
+
+def _unknown_variables(environ) -> list[str]:
+    """``ECEKERN_*`` names in ``environ`` that nothing reads (a misspelt option)."""
+    known = {f.name.upper() for f in fields(Options)} | set(_OTHER_VARIABLES)
+    return sorted(k for k in environ if k.startswith("ECEKERN_") and k[8:] not in known)
+
+
+if _unknown_variables(os.environ):
+    warnings.warn(
+        f"unknown environment variable(s) {', '.join(_unknown_variables(os.environ))}"
+        f" ignored; the options are ECEKERN_ + one of "
+        f"{[f.name.upper() for f in fields(Options)]}",
+        UserWarning,
+        stacklevel=2,
+    )
 _current = _from_environment(Options())
 
 
@@ -196,6 +223,24 @@ def cohorts_on(device_type: str = "cuda") -> bool:
     if _current.cohorts is None:
         return device_type == "cuda"
     return _current.cohorts
+
+
+def warn_unused_cohort_options(device_type: str) -> None:
+    """Say once that cohort options were set for a stack that runs without cohorts
+    (on the CPU ``cohorts`` is off unless set): they would change nothing."""
+    base, now = Options(), _current
+    unused = [f"{n}={getattr(now, n)!r}" for n in ("cohort_edges", "cohort_recompute")
+              if getattr(now, n) != getattr(base, n)]  # fmt: skip
+    if now.cohort_fused not in ("auto", "off"):
+        unused.append(f"cohort_fused={now.cohort_fused!r}")
+    if unused:
+        why = "reference=True" if now.reference else f"cohorts off for {device_type}"
+        _once(
+            f"unused cohort options {unused} {why}",
+            f"ecekern: {', '.join(unused)} ignored: {why} (set cohorts=True to use "
+            "them)",
+            UserWarning,
+        )
 
 
 def cohort_precision(device_type: str, dtype) -> str | None:

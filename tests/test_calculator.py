@@ -178,8 +178,12 @@ def test_continuous_across_the_cutoff(model, n_atoms):
 def test_bad_input(model):
     with pytest.raises(TypeError, match="ECEModel"):
         ECECalculator(torch.nn.Linear(3, 1))
-    with pytest.raises(ValueError, match="float32 or torch.float64"):
+    with pytest.raises(TypeError, match="float32 or torch.float64"):
         ECECalculator(model, dtype=torch.float16)
+    fresh = ecekern.ECEModel(SMALL)  # float32: a bad argument leaves it as it was
+    with pytest.raises(TypeError, match="graph_step"):
+        ECECalculator(fresh, dtype=torch.float64, graph_step="yes")
+    assert next(fresh.parameters()).dtype == torch.float32
     molecule = Atoms("CO", positions=[[0, 0, 0], [1.13, 0, 0]])
     molecule.calc = ECECalculator(model)
     assert np.isfinite(molecule.get_forces()).all()

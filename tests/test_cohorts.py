@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -214,6 +215,17 @@ def test_bad_inputs():
             cohorts.mixing_stack(*x, weights, biases, w_bad, b_out)
     with pytest.raises(TypeError, match="recompute"):
         cohorts.mixing_stack(*x, weights, biases, w_out, b_out, recompute="no")
+    # each bias and weight is named, before any layer runs
+    with pytest.raises(ValueError, match=r"bias_out must be None or \(\d+,\)"):
+        cohorts.mixing_stack(*x, weights, biases, w_out, torch.zeros_like(w_out[0, 0]))
+    with pytest.raises(ValueError, match=r"biases\[1\]"):
+        cohorts.mixing_stack(*x, weights, [biases[0], b_out[:1]], w_out, b_out)
+    with pytest.raises(TypeError, match=r"weights\[1\] has dtype torch.float32"):
+        cohorts.mixing_stack(*x, [weights[0], weights[1].float()], biases, w_out, b_out)
+    with pytest.raises(TypeError, match="x_cos must be a tensor, got list"):
+        cohorts.mixing_stack([1.0], x[1], weights, biases, w_out, b_out)
+    with pytest.raises(TypeError, match="weights must be a list, got Tensor"):
+        cohorts.mixing_stack(*x, torch.stack(weights), biases, w_out, b_out)
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
@@ -394,10 +406,32 @@ def test_option_from_the_environment(monkeypatch):
         options.Options(cohorts="yes")
     with options.use(cohorts=True, reference=True):
         assert not options.cohorts_on()  # the reference wins
-    monkeypatch.setenv("ECEKERN_COHORTS", "auto")
-    assert options._from_environment(options.Options()).cohorts is None
+    for auto in ("auto", "", " AUTO "):  # an empty value is the default, not off
+        monkeypatch.setenv("ECEKERN_COHORTS", auto)
+        assert options._from_environment(options.Options()).cohorts is None
+    env = {"ECEKERN_COHORT_EDGE": "5", "ECEKERN_COMMIT": "x", "ECEKERN_LINEAR": "dense"}
+    assert options._unknown_variables(env) == ["ECEKERN_COHORT_EDGE"]  # misspelt
     with options.use(cohorts=None):  # auto: on for CUDA tensors only
         assert options.cohorts_on("cuda") and not options.cohorts_on("cpu")
+
+
+def test_cohort_options_without_cohorts_warn_once():
+    """On the CPU cohorts are off unless asked for: cohort options set alone would
+    change nothing, and the model says so, once; the numbers are the reference's."""
+    cfg = ecekern.ECEConfig(channels=4, radial_hidden=8, readout_hidden=8, cutoff=3.0)
+    model = ecekern.ECEModel(cfg).double()
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
+    )
+    e_ref, _ = force_step(model, *inputs)
+    options.reset_fallback_warnings()
+    with options.use(cohort_fused="ieee", cohort_edges=7):
+        with pytest.warns(UserWarning, match=r"cohort_edges=7, cohort_fused='ieee'"):
+            e, _ = force_step(model, *inputs)
+        assert float(e) == float(e_ref)
+    with options.use(cohort_fused="off"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # "off" is not a cohort option left unused
+        force_step(model, *inputs)
 
 
 @pytest.mark.gpu
@@ -431,8 +465,10 @@ def test_cohort_edges_option(monkeypatch):
         monkeypatch.setenv("ECEKERN_COHORT_EDGES", bad)
         with pytest.raises(ValueError, match="ECEKERN_COHORT_EDGES"):
             options._from_environment(options.Options())
-    with pytest.raises(ValueError, match="cohort_edges"):
-        options.Options(cohort_edges=True)
+    for bad in (True, 2.0, "8"):  # an int or any integer type, nothing else
+        with pytest.raises(TypeError, match="cohort_edges"):
+            options.Options(cohort_edges=bad)
+    assert type(options.Options(cohort_edges=np.int64(7)).cohort_edges) is int
     with pytest.raises(ValueError, match="cohort_fused"):
         options.Options(cohort_fused="fp8")
     assert options.Options(cohort_fused="ieee", cohort_recompute=True)  # kernels too
@@ -718,8 +754,10 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
             call()
     with pytest.raises(TypeError, match="dtype"):  # the linears' rule: no casts
         bwd(z, gc, gs, ws, wo.float())
-    with pytest.raises(TypeError, match="bias 2"):
+    with pytest.raises(TypeError, match="bias_out has dtype"):
         fwd(xc, xs, ws, bs, wo, bo.float())
+    with pytest.raises(ValueError, match=r"biases\[1\] is \(5,\)"):
+        fwd(xc, xs, ws, [bs[0], bo.new_zeros(5)], wo, bo)
     with pytest.raises(ValueError, match="contiguous"):
         bwd(z.transpose(3, 4).contiguous().transpose(3, 4), gc, gs, ws, wo)
     rec = layers_mod.stack_recompute_backward

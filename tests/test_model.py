@@ -191,6 +191,7 @@ def test_bad_inputs(box):
     for bad in (
         dict(lmax=0),
         dict(mmax=3),
+        dict(mmax=True),  # a bool is not an order
         dict(channels=0),
         dict(cutoff=-1.0),
         dict(species=(6, 6)),

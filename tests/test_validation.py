@@ -411,6 +411,8 @@ def test_energy_and_forces_follows_the_model_and_never_converts_it():
     assert next(model.parameters()).dtype == torch.float32  # untouched
     model.double()
     e64, f64 = ecekern.energy_and_forces(model, atoms, torch.float64, "cpu")
+    e0, _ = ecekern.energy_and_forces(model, atoms, torch.float64, "cpu:0")  # the CPU
+    assert float(e0) == float(e64)
     assert e64.dtype == torch.float64 and abs(float(e64) - float(e)) < 1e-4
     with pytest.raises(TypeError, match="dtype must be None"):
         ecekern.energy_and_forces(model, atoms, dtype=torch.int64)

@@ -321,7 +321,7 @@ def chapter_opening(
 ) -> str:
     """The opening of a chapter, as Markdown from the one-run progress capture: the
     chapter's row of the progress table (``system``, both sizes, strict fp32 and TF32,
-    against the reference and the fastest peer) and its stages' share of the
+    against the reference and the fastest peer), then its stages' share of the
     reference's 4096-atom force step, forward and backward (``stages.csv``)."""
     rows = [r for r in progress_rows(root) if r["system"] == system]
     table = markdown_table(
@@ -356,4 +356,4 @@ def chapter_opening(
         f"{f:.1f} ms of the forward's {fwd:.1f} ms ({100 * f / fwd:.0f} %) and "
         f"{b:.1f} ms of the backward's {bwd:.1f} ms ({100 * b / bwd:.0f} %)."
     )
-    return share + "\n\n" + table
+    return table + "\n\n" + share

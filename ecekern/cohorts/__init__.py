@@ -313,7 +313,20 @@ def mixing_stack(
             ``x_sin``, which it keeps in place of ``x_sin``.
 
     Returns:
-        ``y_cos, y_sin``, each ``(..., F', n_ang)``.
+        ``y_cos, y_sin``, each ``(..., F', n_ang)``. With ``fused`` and rows that are
+        a planes pair (chapter 3's ``planes=True``), the two are views of one
+        planes tensor, handed to the unrotation as they are; autograd then refuses
+        to modify either in place (clone it first).
+
+    Raises:
+        TypeError: a flag that is not a bool, a non-integer ``cohort_edges``, rows
+            that are not tensors, a weight or bias of another dtype than the rows.
+        ValueError: shapes that do not fit together, ``cohort_edges < 1``, an
+            unknown precision.
+
+    First and second derivatives (a double backward recomputes through
+    differentiable linears); ``torch.func`` transforms (``grad``, ``jvp``,
+    ``vmap``) are not supported.
     """
     if isinstance(cohort_edges, bool) or not isinstance(
         cohort_edges, _numbers.Integral
@@ -333,15 +346,17 @@ def mixing_stack(
         )
     for name, seq in (("weights", weights), ("biases", biases)):
         if not isinstance(seq, (list, tuple)):
-            raise TypeError(f"{name} must be a list, got {seq!r:.60}")
+            raise TypeError(f"{name} must be a list, got {type(seq).__name__}")
     if len(weights) != len(biases):
         raise ValueError(
             f"{len(weights)} weights but {len(biases)} biases: one bias (or None) "
             "per gated layer"
         )
     for name, t in (("x_cos", x_cos), ("x_sin", x_sin)):
-        if not isinstance(t, torch.Tensor) or t.ndim < 2:
-            raise ValueError(f"{name} must be a (..., F, n_ang) tensor")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.ndim < 2:
+            raise ValueError(f"{name} must be (..., F, n_ang), got {tuple(t.shape)}")
     if x_cos.shape != x_sin.shape:
         raise ValueError(
             f"x_cos {tuple(x_cos.shape)} and x_sin {tuple(x_sin.shape)} differ"
@@ -357,6 +372,18 @@ def mixing_stack(
             raise ValueError(
                 f"{name} is {tuple(w.shape)}, the rows' F = {F}, n_ang = {n_ang}"
             )
+    FO = weight_out.shape[1]
+    for name, b, width in [*((f"biases[{k}]", b, F) for k, b in enumerate(biases)),
+                           ("bias_out", bias_out, FO)]:  # fmt: skip
+        if b is not None and (not isinstance(b, torch.Tensor) or b.shape != (width,)):
+            got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{name} must be None or ({width},), got {got}")
+    for name, t in [*((f"weights[{k}]", w) for k, w in enumerate(weights)),
+                    ("weight_out", weight_out),
+                    *((f"biases[{k}]", b) for k, b in enumerate(biases)),
+                    ("bias_out", bias_out)]:  # fmt: skip
+        if t is not None and t.dtype != x_cos.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, the rows {x_cos.dtype}")
     linear = linear or reference.equivariant_linear
     if torch.compiler.is_compiling():
         if sin0_zero:

@@ -266,7 +266,9 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
 def _check(name: str, t, shape: tuple, device) -> None:
     """A clear error where a shape or device would send a kernel out of bounds."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor of shape {shape}, got {t!r:.60}")
+        raise TypeError(
+            f"{name} must be a tensor of shape {shape}, got {type(t).__name__}"
+        )
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} is {tuple(t.shape)}, expected {shape}")
     if t.device != device:
@@ -279,14 +281,18 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     if not isinstance(weight_out, torch.Tensor) or weight_out.ndim != 3:
         raise ValueError("weight_out must be an (n_ang, F', F) tensor")
     if not isinstance(x_cos, torch.Tensor) or x_cos.ndim != 3:
+        got = tuple(x_cos.shape) if isinstance(x_cos, torch.Tensor) else x_cos
         raise ValueError(
-            f"the rows must be (E, width, n_ang) tensors, got {x_cos!r:.60}"
+            f"the rows must be (E, width, n_ang) tensors, got {type(got).__name__} "
+            f"{got if isinstance(got, tuple) else ''}"
         )
     if weight_out.shape[0] != x_cos.shape[-1]:
         n_w, n_x = weight_out.shape[0], x_cos.shape[-1]
         raise ValueError(f"weight_out has n_ang = {n_w}, the rows have {n_x}")
     if not isinstance(weights, (list, tuple)):
-        raise TypeError(f"weights must be a list of tensors, got {weights!r:.60}")
+        raise TypeError(
+            f"weights must be a list of tensors, got {type(weights).__name__}"
+        )
     why = why_not_layers(x_cos, weight_out, precision)
     if why:
         raise ValueError(f"the layer kernels cannot serve this call: {why}")
@@ -331,14 +337,18 @@ def _check_rows(E, F, n_ang, dev, dt, **rows):
 def _check_biases(biases, bias_out, K, F, FO, dev, dt):
     if not isinstance(biases, (list, tuple)):
         raise TypeError(f"biases must be a list (a tensor or None each), got "
-                        f"{biases!r:.60}")  # fmt: skip
+                        f"{type(biases).__name__}")  # fmt: skip
     if len(biases) != K:
         raise ValueError(f"{len(biases)} biases for {K} weights")
-    for k, bk in enumerate([*biases, bias_out]):
+    named = [
+        *((f"biases[{k}]", b) for k, b in enumerate(biases)),
+        ("bias_out", bias_out),
+    ]
+    for k, (name, bk) in enumerate(named):
         if bk is not None:
-            _check(f"bias {k}", bk, (F if k < K else FO,), dev)
+            _check(name, bk, (F if k < K else FO,), dev)
             if bk.dtype != dt:
-                raise TypeError(f"bias {k} has dtype {bk.dtype} but the rows have {dt}")
+                raise TypeError(f"{name} has dtype {bk.dtype} but the rows have {dt}")
 
 
 def _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles, dt,
