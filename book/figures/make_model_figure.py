@@ -148,7 +148,7 @@ def main(path="book/figures/model.png"):
         0.16,
         0.14,
         "Chapter 1: all in PyTorch.  ch 2, 3, 5: a kernel there.  "
-        "ch 4: a fixed edge capacity.  ch 6: less memory.",
+        "ch 4: a fixed edge capacity.  ch 6: edge cohorts.",
         fontsize=BODY,
         color=INK,
         va="bottom",
