@@ -372,18 +372,18 @@ def mixing_stack(
             raise ValueError(
                 f"{name} is {tuple(w.shape)}, the rows' F = {F}, n_ang = {n_ang}"
             )
+        if w.dtype != x_cos.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype}, the rows {x_cos.dtype}")
     FO = weight_out.shape[1]
     for name, b, width in [*((f"biases[{k}]", b, F) for k, b in enumerate(biases)),
                            ("bias_out", bias_out, FO)]:  # fmt: skip
-        if b is not None and (not isinstance(b, torch.Tensor) or b.shape != (width,)):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or b.shape != (width,):
             got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
             raise ValueError(f"{name} must be None or ({width},), got {got}")
-    for name, t in [*((f"weights[{k}]", w) for k, w in enumerate(weights)),
-                    ("weight_out", weight_out),
-                    *((f"biases[{k}]", b) for k, b in enumerate(biases)),
-                    ("bias_out", bias_out)]:  # fmt: skip
-        if t is not None and t.dtype != x_cos.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, the rows {x_cos.dtype}")
+        if b.dtype != x_cos.dtype:
+            raise TypeError(f"{name} has dtype {b.dtype}, the rows {x_cos.dtype}")
     linear = linear or reference.equivariant_linear
     if torch.compiler.is_compiling():
         if sin0_zero:

@@ -281,11 +281,9 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     if not isinstance(weight_out, torch.Tensor) or weight_out.ndim != 3:
         raise ValueError("weight_out must be an (n_ang, F', F) tensor")
     if not isinstance(x_cos, torch.Tensor) or x_cos.ndim != 3:
-        got = tuple(x_cos.shape) if isinstance(x_cos, torch.Tensor) else x_cos
-        raise ValueError(
-            f"the rows must be (E, width, n_ang) tensors, got {type(got).__name__} "
-            f"{got if isinstance(got, tuple) else ''}"
-        )
+        t = x_cos
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"the rows must be (E, width, n_ang) tensors, got {got}")
     if weight_out.shape[0] != x_cos.shape[-1]:
         n_w, n_x = weight_out.shape[0], x_cos.shape[-1]
         raise ValueError(f"weight_out has n_ang = {n_w}, the rows have {n_x}")
