@@ -30,6 +30,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fallback_warnings():
+    """Every test starts with no fallback announced: a warning is issued once per
+    reason and process, so a test that expects one (``pytest.warns``), or the rule
+    above that turns one into an error, must not depend on which test ran first."""
+    from ecekern import options
+
+    options.reset_fallback_warnings()
+
+
 @pytest.fixture
 def float64_default():
     """torch's default dtype float64 for one test, restored after it. The files of
