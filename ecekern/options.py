@@ -174,9 +174,10 @@ def _unknown_variables(environ) -> list[str]:
     return sorted(k for k in environ if k.startswith("ECEKERN_") and k[8:] not in known)
 
 
-if _unknown_variables(os.environ):
+_unknown = _unknown_variables(os.environ)
+if _unknown:
     warnings.warn(
-        f"unknown environment variable(s) {', '.join(_unknown_variables(os.environ))}"
+        f"unknown environment variable(s) {', '.join(_unknown)}"
         f" ignored; the options are ECEKERN_ + one of "
         f"{[f.name.upper() for f in fields(Options)]}",
         UserWarning,
