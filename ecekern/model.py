@@ -21,7 +21,6 @@ from torch.profiler import record_function
 from . import cohorts, edge_frame, options, reference, so3, zonal
 from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
-from .rebuild import RebuiltInBackward
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
 
@@ -172,14 +171,16 @@ class _Interaction(nn.Module):
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
 
 
-def _cohort_stack(layer: _Interaction, x_cos, x_sin):
+def _cohort_stack(layer: _Interaction, x_cos, x_sin, x_rebuild=None):
     """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
     the layer's own EquivariantLinear path and the ``cohort_edges``,
     ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
     is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
     layer kernels skip it (``sin0_zero``); the linears compute on it as it is (a
     zeroed copy would be one more activation kept), also where the kernels were
-    asked for and fall back (then ``mixing_stack`` zeroes a copy itself)."""
+    asked for and fall back (then ``mixing_stack`` zeroes a copy itself).
+    ``x_rebuild`` makes the rows again (:meth:`ECEModel._rebuild`): the stack then
+    keeps none of them."""
     path, now = layer.out.path, options.current()
     fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
 
@@ -190,6 +191,7 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin):
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
         now.cohort_edges, now.cohort_recompute, fused, sin0_zero=fused is not None,
+        x_rebuild=x_rebuild,
     )  # fmt: skip
 
 
@@ -357,13 +359,12 @@ class ECEModel(nn.Module):
 
     @staticmethod
     def _rebuild(frames, h, rho_t, graph: Graph, D, M: int, planes: bool):
-        """With ``cohort_recompute``, how to make the stack's input again in the
-        backward (:class:`RebuiltInBackward`), or None: keep it."""
-        if (
-            not options.current().cohort_recompute
-            or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-        ):
+        """How to make the stack's input again in the backward (the rotation that
+        made it, from h and rho, which the rotation's own backward keeps anyway),
+        or None: keep it. The stack keeps no input then: a force step's backward
+        from the kept z never reads it, the others run the rotation once more
+        (no reductions across programs: the same rows bit for bit)."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         if frames is not None:
             return lambda: frames.rotate_and_select(h, rho_t, planes)
@@ -432,12 +433,8 @@ class ECEModel(nn.Module):
             with record_function("ece::mixing_stack"):
                 if options.cohorts_on(x_cos.device.type):  # chapter 6
                     rebuild = self._rebuild(frames, h, rho_t, graph, D, M, planes)
-                    if rebuild is None:
-                        y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
-                    else:
-                        with RebuiltInBackward(x_cos, x_sin, rebuild):
-                            y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin)
-                        del rebuild
+                    y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin, rebuild)
+                    del rebuild
                 else:
                     options.warn_unused_cohort_options(x_cos.device.type)
                     u_cos, u_sin = x_cos, x_sin

@@ -69,10 +69,10 @@ class Options:
             step no slower); True or False everywhere.
         cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
         cohort_recompute: with ``cohorts``, recompute the stack's forward in the
-            backward, and in the model keep not even its input: the backward
-            rebuilds it by the rotation (the least memory: chapter 6, 7.6 GiB at
-            4096 atoms); False keeps the input and the pre-activations, and a force
-            step's backward runs no linear twice.
+            backward (the least memory: chapter 6); False keeps the
+            pre-activations, and a force step's backward runs no linear twice.
+            Either way the model keeps none of the stack's input: a backward that
+            reads it makes it again by the rotation.
         cohort_fused: with ``cohorts``, the stack's forward and force backward by
             the layer kernels (:func:`ecekern.cohorts.layers.stack_forward`,
             :func:`~ecekern.cohorts.layers.stack_backward`; with

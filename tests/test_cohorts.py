@@ -375,17 +375,20 @@ def test_model_with_cohorts_equals_without(monkeypatch, request, channels, opts)
     ],
     ids=["reference", "packed", "packed-kernels"],
 )
-def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused):
-    """With ``cohort_recompute`` the model keeps no stack input for the backward:
-    after the forward the rows are gone (weak references die), the backward
-    rebuilds them once a layer by the rotation, and the energy, forces and a
-    second derivative (a force loss's parameter gradient) equal the kept-rows
-    step's in float64. Without it, the stack keeps them."""
+def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
+    monkeypatch, edge_frame, fused
+):
+    """With cohorts on, the model's stacks keep none of their input rows: after the
+    forward the rows are gone (weak references die), keeping z or recomputing. A
+    force step's backward from the kept z never makes them again; recomputing
+    makes them once a layer by the rotation, and so does training (the weights'
+    gradients). Energy, forces, the weights' gradients and a second derivative (a
+    force loss's) equal the plain stack's in float64, and the recipes (with the h
+    and rho they hold) go with the graph by reference counting alone."""
     import gc
     import weakref
 
     from ecekern import model as model_mod
-    from ecekern import rebuild as rebuild_mod
 
     cfg = ecekern.ECEConfig(channels=16 if fused != "off" else 4, lmax=1, cutoff=2.0,
                             radial_hidden=8, readout_hidden=8, n_gated=2)  # fmt: skip
@@ -393,68 +396,103 @@ def test_model_recompute_rebuilds_the_stack_input(monkeypatch, edge_frame, fused
     inputs = prepare_inputs(
         ecekern.systems.diamond(1, rattle=0.2, seed=5), cfg.cutoff, torch.float64
     )
-    seen, rebuilt = [], []
-    real_stack, real_unpack = (
-        model_mod._cohort_stack,
-        rebuild_mod.RebuiltInBackward.unpack,
-    )
+    seen, rebuilt, recipes = [], [], []
+    real_stack, real_rebuild = model_mod._cohort_stack, model_mod.ECEModel._rebuild
 
-    def stack_spy(layer, x_cos, x_sin):
+    def stack_spy(layer, x_cos, x_sin, x_rebuild=None):
         # the allocations (a planes pair's views share one base, which any view
         # that the stack keeps would hold)
         seen.append(tuple(weakref.ref(t if t._base is None else t._base)
                           for t in (x_cos, x_sin)))  # fmt: skip
-        return real_stack(layer, x_cos, x_sin)
+        return real_stack(layer, x_cos, x_sin, x_rebuild)
 
-    def unpack_spy(self, saved):
-        rebuilt.append(self.rows is None and not isinstance(saved, torch.Tensor))
-        return real_unpack(self, saved)
+    def rebuild_spy(*args):
+        make = real_rebuild(*args)
+        if make is None:
+            return None
+
+        def counted():
+            rebuilt.append(1)
+            return make()
+
+        recipes.append(weakref.ref(counted))
+        return counted
 
     monkeypatch.setattr(model_mod, "_cohort_stack", stack_spy)
-    monkeypatch.setattr(rebuild_mod.RebuiltInBackward, "unpack", unpack_spy)
+    monkeypatch.setattr(model_mod.ECEModel, "_rebuild", staticmethod(rebuild_spy))
     params = list(model.parameters())
-    out = {}
-    for recompute in (False, True):
+
+    def run(**opts):
         seen.clear()
         rebuilt.clear()
-        opts = dict(cohorts=True, cohort_recompute=recompute, edge_frame=edge_frame,
-                    cohort_edges=64, cohort_fused=fused)  # fmt: skip
-        with options.use(**opts):
+        if opts["cohorts"]:
+            opts |= dict(cohort_edges=64, cohort_fused=fused)
+        with options.use(edge_frame=edge_frame, **opts):
             x = inputs[0].clone().requires_grad_()
             energy = model(x, *inputs[1:])
             gc.collect()
             alive = [r() is not None for pair in seen for r in pair]
-            assert len(alive) == 2 * cfg.n_interactions
-            assert alive == [not recompute] * len(alive)  # (no zeroed copy either)
             (grad,) = torch.autograd.grad(energy, x)
-            assert sum(rebuilt) == (cfg.n_interactions if recompute else 0)
+            n_force = len(rebuilt)
+            rebuilt.clear()
+            e = model(*inputs)
+            g1 = torch.autograd.grad(e, params, allow_unused=True)  # training
+            n_train = len(rebuilt)
             e2, f2 = force_step(model, *inputs, create_graph=True)
             g2 = torch.autograd.grad((f2**2).sum(), params, allow_unused=True)
-        out[recompute] = (energy.detach(), -grad, [g for g in g2 if g is not None])
-    # after the step, the recipe (and the h and rho it holds) goes with the graph,
-    # by reference counting alone: no cycle left for the garbage collector
-    made = []
-    real_init = rebuild_mod.RebuiltInBackward.__init__
+        grads = [g for g in (*g1, *g2) if g is not None]
+        return alive, n_force, n_train, (energy.detach(), -grad, grads)
 
-    def init_spy(self, *args):
-        made.append(weakref.ref(self))
-        real_init(self, *args)
-
-    monkeypatch.setattr(rebuild_mod.RebuiltInBackward, "__init__", init_spy)
+    _, _, _, ref = run(cohorts=False)
+    n = cfg.n_interactions
+    for recompute in (False, True):
+        alive, n_force, n_train, got = run(cohorts=True, cohort_recompute=recompute)
+        assert alive == [False] * (2 * n)  # (no zeroed copy kept either)
+        assert n_force == (n if recompute else 0)
+        assert n_train == n
+        assert rel_err(got[0], ref[0]) < 1e-12 and rel_err(got[1], ref[1]) < 1e-12
+        assert len(got[2]) == len(ref[2]) > 0
+        for a, b in zip(got[2], ref[2], strict=True):
+            assert rel_err(a, b) < 1e-12
+    recipes.clear()
     gc.collect()
     gc.disable()
     try:
         with options.use(cohorts=True, cohort_recompute=True, edge_frame=edge_frame,
                          cohort_edges=64, cohort_fused=fused):  # fmt: skip
             force_step(model, *inputs)
-        assert len(made) == cfg.n_interactions
-        assert all(r() is None for r in made)
+        assert len(recipes) == n
+        assert all(r() is None for r in recipes)
     finally:
         gc.enable()
-    (e0, f0, g0), (e1, f1, g1) = out[False], out[True]
-    assert rel_err(e1, e0) < 1e-12 and rel_err(f1, f0) < 1e-12
-    assert len(g0) == len(g1) > 0
-    for a, b in zip(g1, g0, strict=True):
+
+
+def test_x_rebuild_is_checked():
+    """A recipe that makes other rows than the forward's is a clear error in the
+    backward; one that is not callable, at the call."""
+    g = torch.Generator().manual_seed(3)
+    E, F, n_ang = 20, 6, 3
+    x = [torch.randn(E, F, n_ang, dtype=torch.float64, generator=g,
+                     requires_grad=True) for _ in "cs"]  # fmt: skip
+    ws = [torch.randn(n_ang, F, F, dtype=torch.float64, generator=g,
+                      requires_grad=True)]  # fmt: skip
+    wo = torch.randn(n_ang, 4, F, dtype=torch.float64, generator=g)
+    args = (ws, [None], wo, None)
+    with pytest.raises(TypeError, match="x_rebuild"):
+        cohorts.mixing_stack(*x, *args, x_rebuild="x")
+    bad = (x[0][:10].detach(), x[1][:10].detach())
+    y = cohorts.mixing_stack(*x, *args, cohort_edges=8, x_rebuild=lambda: bad)
+    with pytest.raises(RuntimeError, match="x_rebuild made x_cos"):
+        torch.autograd.grad(y[0].sum(), ws)  # the weights' gradient reads x
+    good = (x[0].detach(), x[1].detach())
+    y = cohorts.mixing_stack(*x, *args, cohort_edges=8, x_rebuild=lambda: good)
+    y_ref = reference.mixing_stack(*x, *args)
+    for a, b in zip(y, y_ref, strict=True):
+        assert rel_err(a, b) < 1e-12
+    gy = [torch.randn_like(t) for t in y]
+    got = torch.autograd.grad(y, [*x, *ws], gy)
+    want = torch.autograd.grad(y_ref, [*x, *ws], gy)
+    for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-12
 
 

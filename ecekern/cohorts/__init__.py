@@ -26,7 +26,8 @@ forward runs cohort by cohort under ``no_grad`` and keeps ``x``, the parameters 
   are summed over the cohorts in order (deterministic).
 
 Bytes model: kept for the backward, ``(K + 1) 2 E F n_ang`` values (``x`` and the
-``z_k``), or ``2 E F n_ang`` with ``recompute``; scratch, one cohort's worth, about
+``z_k``), or ``2 E F n_ang`` with ``recompute``, each ``2 E F n_ang`` less when
+``x_rebuild`` makes x again instead; scratch, one cohort's worth, about
 ``(3K + 2) 2 c F n_ang`` values for ``c = cohort_edges``, whatever E is. The price of
 ``recompute`` is one more forward of the stack in the backward.
 
@@ -184,33 +185,55 @@ def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need
 
 
 class _CohortStack(torch.autograd.Function):
-    """``(x_cos, x_sin, linear, cohort, recompute, fused, K, *params) -> (y_cos,
-    y_sin)``, rows ``(E, F, n_ang)``; params = K weights, K biases, the output
-    weight and bias. Saved: x, the params and, unless ``recompute``, the
-    pre-activations z_k. ``fused``: None, or ``(precision, sin0)`` for the layer
-    kernels; with ``sin0`` the m = 0 sin column of x is taken as zero (the kernels
-    skip it, the other paths of the backward zero it: :func:`mixing_stack`'s
-    ``sin0_zero``)."""
+    """``(x_cos, x_sin, linear, cohort, recompute, fused, remake, K, *params) ->
+    (y_cos, y_sin)``, rows ``(E, F, n_ang)``; params = K weights, K biases, the
+    output weight and bias. Saved: x (unless ``remake`` makes it again), the params
+    and, unless ``recompute``, the pre-activations z_k. ``fused``: None, or
+    ``(precision, sin0)`` for the layer kernels; with ``sin0`` the m = 0 sin column
+    of x is taken as zero (the kernels skip it, the other paths of the backward zero
+    it: :func:`mixing_stack`'s ``sin0_zero``)."""
 
     @staticmethod
-    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, K, *params):
+    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, remake, K,
+                *params):  # fmt: skip
         keep = not recompute
         sin0 = fused is not None and fused[1]
         fused = None if fused is None else fused[0]
         y_cos, y_sin, *zs = _forward(
             x_cos, x_sin, params, K, linear, cohort, keep, fused, sin0
         )
-        ctx.save_for_backward(x_cos, x_sin, *params, *zs)
+        xs = (x_cos, x_sin) if remake is None else ()
+        ctx.save_for_backward(*xs, *params, *zs)
         ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
-        ctx.fused, ctx.sin0 = fused, sin0
+        ctx.fused, ctx.sin0, ctx.remake = fused, sin0, remake
+        ctx.x_meta = (x_cos.shape, x_cos.dtype, x_cos.device)
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
         return y_cos, y_sin
 
     @staticmethod
+    def _rows(ctx, saved):
+        """x as the forward had it: kept, or made again by ``remake`` (checked)."""
+        if ctx.remake is None:
+            return saved[0], saved[1]
+        x_cos, x_sin = ctx.remake()
+        if torch.is_grad_enabled():  # a second derivative differentiates at x
+            x_cos, x_sin = (t if t.requires_grad else t.detach().requires_grad_()
+                            for t in (x_cos, x_sin))  # fmt: skip
+        for name, t in (("x_cos", x_cos), ("x_sin", x_sin)):
+            if (t.shape, t.dtype, t.device) != ctx.x_meta:
+                raise RuntimeError(
+                    f"x_rebuild made {name} {tuple(t.shape)} {t.dtype} on {t.device}; "
+                    f"the forward's was {tuple(ctx.x_meta[0])} {ctx.x_meta[1]} on "
+                    f"{ctx.x_meta[2]}"
+                )
+        return x_cos, x_sin
+
+    @staticmethod
     def backward(ctx, g_cos, g_sin):
-        x_cos, x_sin, *rest = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        rest = saved if ctx.remake is not None else saved[2:]
         params, zs = rest[: ctx.n_params], rest[ctx.n_params :]
-        K, linear, n_in = ctx.K, ctx.linear, 7
+        K, linear, n_in = ctx.K, ctx.linear, 8
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         double = torch.is_grad_enabled()
         want = [
@@ -223,10 +246,14 @@ class _CohortStack(torch.autograd.Function):
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
         kernels = not double and not want and ctx.fused is not None
-        x_eff = x_sin  # what the forward computed on (the kernels: x_sin[..., 0] = 0)
-        if ctx.sin0 and not kernels:  # (a copy: only where the linears recompute)
-            with torch.enable_grad():
-                x_eff = _zeroed(x_sin)
+        if not double and not want and zs:  # a force step from the kept z: no x
+            x_cos = x_sin = x_eff = None
+        else:
+            x_cos, x_sin = _CohortStack._rows(ctx, saved)
+            x_eff = x_sin  # what the forward computed on (kernels: x_sin[..., 0] = 0)
+            if ctx.sin0 and not kernels:  # (a copy: only where the linears recompute)
+                with torch.enable_grad():
+                    x_eff = _zeroed(x_sin)
         if kernels:  # the layer kernels: a force step
             if need_x and zs:  # from their one kept z
                 dx_cos, dx_sin = _layers.stack_backward(
@@ -266,7 +293,7 @@ class _CohortStack(torch.autograd.Function):
             dx_cos = None
         if not ctx.needs_input_grad[1]:
             dx_sin = None
-        return dx_cos, dx_sin, None, None, None, None, None, *grads_p
+        return dx_cos, dx_sin, None, None, None, None, None, None, *grads_p
 
 
 def mixing_stack(
@@ -281,6 +308,7 @@ def mixing_stack(
     recompute: bool = False,
     fused: str | None = None,
     sin0_zero: bool = False,
+    x_rebuild=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixing stack of :func:`ecekern.reference.mixing_stack` (same arguments and
     result), its backward in cohorts of at most ``cohort_edges`` rows.
@@ -311,6 +339,12 @@ def mixing_stack(
             n_ang)`` of their work (a sixth at n_ang = 3). Without the kernels
             (``fused=None``, or a fallback) the stack runs on a zeroed copy of
             ``x_sin``, which it keeps in place of ``x_sin``.
+        x_rebuild: None, or a callable that makes ``(x_cos, x_sin)`` again, the
+            same values (bit for bit) of the same shape; differentiable with grad
+            mode on when a second derivative should reach what made x. With it
+            the stack keeps no x for the backward: a force step's backward from
+            the kept z (``recompute=False``) never calls it, the other backwards
+            call it once (the model passes chapter 3's rotation).
 
     Returns:
         ``y_cos, y_sin``, each ``(..., F', n_ang)``. With ``fused`` and rows that are
@@ -320,7 +354,8 @@ def mixing_stack(
 
     Raises:
         TypeError: a flag that is not a bool, a non-integer ``cohort_edges``, rows
-            that are not tensors, a weight or bias of another dtype than the rows.
+            that are not tensors, a weight or bias of another dtype than the rows,
+            an ``x_rebuild`` that is not callable.
         ValueError: shapes that do not fit together, ``cohort_edges < 1``, an
             unknown precision.
 
@@ -338,6 +373,8 @@ def mixing_stack(
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     if not isinstance(sin0_zero, bool):
         raise TypeError(f"sin0_zero must be a bool, got {sin0_zero!r}")
+    if x_rebuild is not None and not callable(x_rebuild):
+        raise TypeError(f"x_rebuild must be None or callable, got {x_rebuild!r:.60}")
     if fused is not None and (
         not isinstance(fused, str) or fused not in _layers.PRECISIONS
     ):
@@ -400,8 +437,16 @@ def mixing_stack(
         if why:
             options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
             fused = None
-    if sin0_zero and fused is None:  # the linears compute on the zeroed column
+    zero = sin0_zero and fused is None
+    if zero:  # the linears compute on the zeroed column
         xs = _zeroed(xs)
+    remake = None
+    if x_rebuild is not None:
+
+        def remake():  # x as the forward computed on it
+            rc, rs = (t.reshape(rows) for t in x_rebuild())
+            return rc, _zeroed(rs) if zero else rs
+
     K, cohort = len(weights), int(cohort_edges)
     if not torch.is_grad_enabled():  # no_grad, inference_mode: nothing to keep
         y_cos, y_sin, *_ = _forward(
@@ -410,7 +455,7 @@ def mixing_stack(
     else:
         kernels = None if fused is None else (fused, sin0_zero)
         y_cos, y_sin = _CohortStack.apply(
-            xc, xs, linear, cohort, recompute, kernels, K, *params
+            xc, xs, linear, cohort, recompute, kernels, remake, K, *params
         )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]
