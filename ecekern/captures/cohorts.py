@@ -14,7 +14,8 @@ every earlier chapter's fast path on (the library's defaults):
 * ``memory`` -> memory.csv: the force step's peak memory against the atom count,
   plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
   diamond repeats), and the largest box that ran (an out-of-memory is a row, not
-  the end of the run);
+  the end of the run, with what the allocator said: the request, what the tensors
+  held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF);
 * ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the layer kernels'
   tf32x3, tf32 and bf16 against fp64 (same weights)
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
@@ -27,6 +28,8 @@ every earlier chapter's fast path on (the library's defaults):
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -378,14 +381,28 @@ def _memory(out: Path, boxes: list[int]) -> dict:
                     peak = bench.peak_memory(lambda: force_step(model, *inputs))
                 row["peak_mem_MiB"] = peak / 2**20
                 largest[label] = row["n_atoms"]
-            except torch.cuda.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError as e:
                 row["peak_mem_MiB"] = "out of memory"
+                row["oom_detail"] = _oom_detail(str(e))
             inputs = None
             free()
-            rows.append({**row, **bench.provenance(torch.float32)})
+            alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            rows.append({**row, "alloc_conf": alloc, **bench.provenance(torch.float32)})
             print(f"memory {label} repeats={rep}: {row['peak_mem_MiB']}",
                   flush=True)  # fmt: skip
             bench.write_csv(rows, out / "memory.csv")
             if row["peak_mem_MiB"] == "out of memory":
                 break
     return {"largest box (atoms)": largest}
+
+
+def _oom_detail(message: str) -> str:
+    """What the allocator said when it ran out: the request, what PyTorch's tensors
+    held, and what it had reserved but not handed out (fragmentation)."""
+    pats = (
+        ("tried", r"Tried to allocate ([\d.]+ [KMG]iB)"),
+        ("allocated", r"([\d.]+ [KMG]iB) is allocated by PyTorch"),
+        ("reserved unallocated", r"([\d.]+ [KMG]iB) is reserved by PyTorch but"),
+    )
+    found = ((k, re.search(p, message)) for k, p in pats)
+    return "; ".join(f"{k} {m.group(1)}" for k, m in found if m) or message[:120]
