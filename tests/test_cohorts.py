@@ -932,13 +932,26 @@ def test_cohort_precision_auto():
 def test_fused_cannot_serve_falls_back_loudly():
     """A shape, dtype or precision the kernel cannot serve runs the linears instead,
     with a FallbackWarning; a precision that is not one, or a sin0_zero that is not
-    a bool, is an error."""
-    x, *args = _fused_args(9, 1, 2, True, F=24, Fo=12)  # no factor 16 in 24 and 12
+    a bool, is an error. On the device the kernels run on (CUDA, else the
+    interpreter's CPU), so that the reason is the call's and not the device's."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if layers_mod.why_not_layers(
+        torch.empty(1, 32, 1, device=dev), torch.empty(1, 16, 32), "ieee"
+    ):
+        pytest.skip("Triton (or its interpreter) is not available")
+
+    def on_dev(x, ws, bs, wo, bo):
+        x = [t.detach().to(dev).requires_grad_() for t in x]
+        bs = [None if b is None else b.to(dev) for b in bs]
+        return x, [w.to(dev) for w in ws], bs, wo.to(dev), bo.to(dev)
+
+    options.reset_fallback_warnings()
+    x, *args = on_dev(*_fused_args(9, 1, 2, True, F=24, Fo=12))  # 24, 12: not 16k
     ref = reference.mixing_stack(*x, *args)
-    with pytest.warns(options.FallbackWarning, match="fused"):
+    with pytest.warns(options.FallbackWarning, match="multiples of 16"):
         y = cohorts.mixing_stack(*x, *args, fused="ieee")
     assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
-    x, *args = _fused_args(9, 1, 2, True)
+    x, *args = on_dev(*_fused_args(9, 1, 2, True))
     with pytest.warns(options.FallbackWarning, match="precision"):  # float64
         cohorts.mixing_stack(*x, *args, fused="tf32")
     for bad in ("fp8", "IEEE", "off", "", True, ["ieee"]):  # not a precision
