@@ -64,15 +64,18 @@ class Options:
             tables) or ``"packed"`` (reading the tiles packed once per step).
         cohorts: the mixing stack in cohorts of edges (chapter 6,
             :func:`ecekern.cohorts.mixing_stack`): its backward keeps the stack's
-            input and pre-activations instead of every activation. None (auto): on
-            for CUDA tensors, where it was measured (a quarter less peak memory, the
-            step no slower); True or False everywhere.
+            pre-activations instead of every activation. None (auto): on for CUDA
+            tensors, where it was measured (a third less peak memory at 4096 atoms,
+            the step no slower); True or False everywhere.
         cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
         cohort_recompute: with ``cohorts``, recompute the stack's forward in the
             backward (the least memory: chapter 6); False keeps the
             pre-activations, and a force step's backward runs no linear twice.
             Either way the model keeps none of the stack's input: a backward that
-            reads it makes it again by the rotation.
+            reads it makes it again by the rotation. For the largest systems, also
+            set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA
+            starts (the caching allocator's free blocks then hold the largest
+            tensors).
         cohort_fused: with ``cohorts``, the stack's forward and force backward by
             the layer kernels (:func:`ecekern.cohorts.layers.stack_forward`,
             :func:`~ecekern.cohorts.layers.stack_backward`; with
