@@ -799,6 +799,25 @@ def test_layers_float32_against_float64(precision):
         assert_close_three_way(out, r32, r64, f"layer kernels, {precision}")
 
 
+def test_split_tf32_is_exact_and_rounds_to_nearest_even():
+    """The weights' split for ``"tf32x3"``: hi has 10 mantissa bits, hi + lo is w
+    exactly, |lo| is at most half a TF32 ulp of w, and ties go to the even hi;
+    strided (transposed) weights split as their contiguous copy."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 40, 24, generator=g) * torch.logspace(-8, 8, 24)
+    w[0, 0, :4] = torch.tensor([0.0, -0.0, 1.0, -3.5])
+    for t in (w, w.transpose(1, 2)):
+        hi, lo = layers_mod.split_tf32(t)
+        assert hi.shape == lo.shape == t.shape
+        assert not (hi.view(torch.int32) & 0x1FFF).any()
+        assert torch.equal(hi.double() + lo.double(), t.double())
+        assert (lo.abs() <= t.abs() * 2.0**-11).all()
+    one = 1.0 + 2.0**-10  # even mantissa below, odd above: ties to even
+    ties = torch.tensor([1.0 + 2.0**-11, one + 2.0**-11, -(1.0 + 2.0**-11)])
+    hi, _ = layers_mod.split_tf32(ties)
+    assert hi.tolist() == [1.0, 1.0 + 2.0**-9, -1.0]
+
+
 @needs_triton
 def test_layers_weight_gradients_take_the_cohort_recomputation():
     """With the fused forward, a backward that asks for the weights' gradients too

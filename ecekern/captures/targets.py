@@ -59,6 +59,20 @@ def force_step(repeats: int = 4):
         _in_range(lambda: step(model, *inputs))
 
 
+def default_step(repeats: int = 8):
+    """The library's default force step on the 4096-atom diamond, fp32 (every
+    chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step."""
+    import ecekern
+    from ecekern.model import force_step as step
+    from ecekern.model import prepare_inputs
+
+    model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
+    inputs = prepare_inputs(
+        ecekern.systems.diamond(repeats), model.config.cutoff, torch.float32, "cuda"
+    )
+    _in_range(lambda: step(model, *inputs))
+
+
 def edge_frame(rep: int = 8):
     """Chapter 3's kernels at 365k edges, fp32: for the table variant, then the
     packed one, the rotation (two sides), the unrotation forward and backward, the
@@ -208,6 +222,7 @@ TARGETS = {
     "copy": copy,
     "gemm": gemm,
     "force_step": force_step,
+    "default_step": default_step,
     "eqlin_triton": eqlin_triton,
     "eqlin_dense": eqlin_dense,
     "zonal_fused": zonal_fused,

@@ -116,19 +116,36 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to
+    even), kept in fp32: ``x - _round_tf32(x)`` is exact."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-        DT: tl.constexpr):  # fmt: skip
+        DT: tl.constexpr, SLO: tl.constexpr = 0):  # fmt: skip
     """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]``, rows ``a + row[e] KIN``, with
-    ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous)."""
+    ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous). In ``"tf32x3"``
+    A is its TF32 part, and ``w + SLO`` the remainder (:func:`split_tf32`)."""
     kk = tl.arange(0, BK)
     n = n0 + tl.arange(0, BN)
     acc = tl.zeros((BE, BN), DT)
     for k0 in range(0, KIN, BK):
-        wt = tl.load(w + n[None, :] * SWO + (k0 + kk)[:, None])  # (in, out)
+        at = w + n[None, :] * SWO + (k0 + kk)[:, None]
+        wt = tl.load(at)  # (in, out)
         x = tl.load(a + row[:, None] * KIN + (k0 + kk)[None, :], mask=ok[:, None],
                     other=0.0)  # fmt: skip
-        if PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
+        if PREC == "tf32x3":  # hi lo + lo hi + hi hi, each a TF32 product
+            x_hi = _round_tf32(x)
+            acc = tl.dot(x - x_hi, wt, acc, input_precision="tf32", out_dtype=DT)
+            acc = tl.dot(x_hi, tl.load(at + SLO), acc, input_precision="tf32",
+                         out_dtype=DT)  # fmt: skip
+            acc = tl.dot(x_hi, wt, acc, input_precision="tf32", out_dtype=DT)
+        elif PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
             acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
         elif PREC == "bf16":
             acc = tl.dot(x.to(tl.bfloat16), wt.to(tl.bfloat16), acc, out_dtype=DT)
@@ -172,7 +189,7 @@ def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
             if m > 0 or c == 0 or not SIN0:
                 src = a + m * sa_m + c * sa_c
                 acc = _mm(src, e, ok, w + m * NOUT * KIN, KIN, n0, KIN, BE, BN, BK,
-                          PREC, DT)  # fmt: skip
+                          PREC, DT, NA * NOUT * KIN)  # fmt: skip
                 if HAS_B and m == 0 and c == 0:
                     acc += tl.load(b + n)
                 at = e[:, None] * NOUT + n
@@ -212,7 +229,7 @@ def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, s
             c = 1 - cc  # sin, then cos: m = 0's cos is the very last
             if m > 0 or c == 0 or not SIN0:
                 acc = _mm(d + m * sd_m + c * sd_c, e, ok, w + m * KIN * NOUT, KIN, n0,
-                          KIN, BE, BN, BK, PREC, DT)  # fmt: skip
+                          KIN, BE, BN, BK, PREC, DT, NA * KIN * NOUT)  # fmt: skip
                 if RES:
                     acc += tl.load(r + m * sr_m + c * sr_c + at, mask=okk, other=0.0)
                 tl.store(u + m * su_m + c * su_c + at, acc, mask=okk)
@@ -311,6 +328,23 @@ def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
     grid = (triton.cdiv(E, BE) * (NOUT // BN),)
     kernel[grid](*args, E, NOUT=NOUT, BE=BE, BN=BN, BK=BK, PREC=precision,
                  num_warps=warps, num_stages=stages, **meta)  # fmt: skip
+
+
+def split_tf32(w: torch.Tensor) -> torch.Tensor:
+    """``(2, *w.shape)``: w rounded to TF32 (nearest, ties to even) and the
+    remainder ``w - hi`` (exact in fp32), contiguous; the weights' form in
+    ``"tf32x3"``, split once a call instead of in every program."""
+    b = w.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    b = (b + 0xFFF + ((b >> 13) & 1)) & 0xFFFFE000
+    hi = torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+    return torch.stack((hi, w.detach() - hi))
+
+
+def _weights(ws, precision: str):
+    """The kernels' form of each weight: contiguous, split in ``"tf32x3"``."""
+    if precision == "tf32x3":
+        return [split_tf32(w) for w in ws]
+    return [w.contiguous() for w in ws]
 
 
 def _dt(dtype):
@@ -420,7 +454,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     if not spans:
         return y_cos, y_sin, z
     c = spans[0][1]
-    ws = [w.contiguous() for w in (*weights, weight_out)]
+    ws = _weights((*weights, weight_out), precision)
     bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
     u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
     yp = x_cos.new_empty((n_ang, 2, c, FO)) if xp is None else None
@@ -441,7 +475,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
 def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
     n_ang, FO, F = _checked(g_cos, weights, weight_out, precision, dt)
     _check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
-    wt = [w.transpose(1, 2).contiguous() for w in (*weights, weight_out)]
+    wt = _weights([w.transpose(1, 2) for w in (*weights, weight_out)], precision)
     return n_ang, FO, F, wt
 
 
@@ -516,7 +550,7 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     if not spans:
         return dx_cos, dx_sin
     c = spans[0][1]
-    ws = [w.contiguous() for w in weights]
+    ws = _weights(weights, precision)
     bs = [None if b is None else b.contiguous() for b in biases]
     zc = x_cos.new_empty((K, n_ang, 2, c, F))
     gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
