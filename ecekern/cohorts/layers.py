@@ -139,12 +139,15 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
         wt = tl.load(at)  # (in, out)
         x = tl.load(a + row[:, None] * KIN + (k0 + kk)[None, :], mask=ok[:, None],
                     other=0.0)  # fmt: skip
-        if PREC == "tf32x3":  # hi lo + lo hi + hi hi, each a TF32 product
+        if PREC == "tf32x3":  # lo hi + hi lo + hi hi, each a TF32 product
             x_hi = _round_tf32(x)
-            acc = tl.dot(x - x_hi, wt, acc, input_precision="tf32", out_dtype=DT)
-            acc = tl.dot(x_hi, tl.load(at + SLO), acc, input_precision="tf32",
-                         out_dtype=DT)  # fmt: skip
-            acc = tl.dot(x_hi, wt, acc, input_precision="tf32", out_dtype=DT)
+            c = tl.dot(x - x_hi, wt, input_precision="tf32", out_dtype=DT)
+            c = tl.dot(x_hi, tl.load(at + SLO), c, input_precision="tf32",
+                       out_dtype=DT)  # fmt: skip
+            # a chunk's sum starts at zero and joins acc in an fp32 add: summing
+            # every chunk in the tensor cores' accumulator (not IEEE fp32) lost
+            # most of what the split gains (chapter 6's lab notes)
+            acc += tl.dot(x_hi, wt, c, input_precision="tf32", out_dtype=DT)
         elif PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
             acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
         elif PREC == "bf16":
