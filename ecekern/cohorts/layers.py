@@ -48,9 +48,11 @@ layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (tim
 ``1 - 1/(2 n_ang)`` with ``sin0_zero``).
 
 Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
-(Triton's three-pass TF32, fp32-accurate) and ``"bf16"`` (operands rounded to
-bfloat16, fp32 accumulation), for float32 rows. Triton's CPU interpreter computes
-``"tf32"`` and ``"tf32x3"`` in full precision.
+(fp32-accurate: ``hi lo + lo hi + hi hi`` in three TF32 products, W split once a
+call by :func:`split_tf32`, the rows split in registers, each inner chunk summed
+from zero and added to the accumulator in fp32) and ``"bf16"`` (operands rounded
+to bfloat16, fp32 accumulation), for float32 rows. Triton's CPU interpreter
+computes TF32 products in full precision (``"tf32x3"`` then lacks only lo lo).
 
 Gradients: these are the gradients (the backward kernels); no parameter gradients
 (:func:`ecekern.cohorts.mixing_stack` computes those by recomputing cohorts).
@@ -83,6 +85,7 @@ __all__ = [
     "PRECISIONS",
     "stack_backward",
     "stack_forward",
+    "split_tf32",
     "stack_recompute_backward",
     "why_not_layers",
 ]
