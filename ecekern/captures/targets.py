@@ -61,7 +61,9 @@ def force_step(repeats: int = 4):
 
 def default_step(repeats: int = 8):
     """The library's default force step on the 4096-atom diamond, fp32 (every
-    chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step."""
+    chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step. Its
+    backward runs on autograd's own thread, outside the NVTX range: select the
+    step's kernels with ``--launch-skip`` and ``--launch-count`` instead."""
     import ecekern
     from ecekern.model import force_step as step
     from ecekern.model import prepare_inputs
