@@ -148,8 +148,8 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
             c = tl.dot(x_hi, tl.load(at + SLO), c, input_precision="tf32",
                        out_dtype=DT)  # fmt: skip
             # a chunk's sum starts at zero and joins acc in an fp32 add: summing
-            # every chunk in the tensor cores' accumulator (not IEEE fp32) lost
-            # most of what the split gains (chapter 6's lab notes)
+            # every chunk into acc on the tensor cores lost most of the split's
+            # accuracy on the H200 (chapter 6's lab notes)
             acc += tl.dot(x_hi, wt, c, input_precision="tf32", out_dtype=DT)
         elif PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
             acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
