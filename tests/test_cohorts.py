@@ -836,6 +836,32 @@ def test_layers_weight_gradients_take_the_cohort_recomputation():
         assert rel_err(a, b) < 1e-12
 
 
+_COMPILE_STACK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+import sys
+from ecekern._triton import gluon
+if gluon is None:
+    sys.exit(77)
+from ecekern.cohorts import fused
+box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
+desc = f"tensordesc<fp32[64, 32],{box!r}>"
+for kernel, c in ((fused._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True)),
+                  (fused._fused_bwd_kernel, dict(K=2))):
+    c |= dict(SIN0=True, STG=fused.STAGES, num_warps=fused.WARPS)
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
+           else "*fp32" if n.endswith("ptr") else "i32" for n in names}
+    src = GluonASTSource(fn=kernel, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in c.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=fused.WARPS))
+    assert "wgmma.mma_async" in k.asm["ptx"], kernel
+    assert k.metadata.shared <= 227 * 1024, (kernel, k.metadata.shared)
+"""
+
 _COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -871,6 +897,21 @@ def test_layer_kernels_compile_for_hopper():
         [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_stack_kernels_compile_for_hopper():
+    """The fused stack's Gluon kernels (no interpreter runs them) compile for
+    sm_90 here, without a GPU, to ``wgmma`` within the 227 KB of shared memory a
+    program may have."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-c", _COMPILE_STACK], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    if p.returncode == 77:
+        pytest.skip("no validated Gluon in this Triton")
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -981,7 +1022,7 @@ def test_fused_cannot_serve_falls_back_loudly():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32", "bf16"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32", "bf16", "tf32-stack"])
 def test_gpu_layers_three_way(precision):
     """The book's widths (F = 192, F' = 96, n_ang = 3, K = 2) on CUDA, in cohorts of
     2048 rows with a tail tile; the three-way rule, the reference's operands cut to
@@ -1001,16 +1042,132 @@ def test_gpu_layers_three_way(precision):
     )  # the reference's fp32 products in fp32, its operands cut by _operands_at
     try:
         ref32 = _fwd_and_force_bwd(
-            lambda *a: reference.mixing_stack(*a, _operands_at(precision)), x32, *a32
+            lambda *a: reference.mixing_stack(*a, _operands_at(precision[:4])),
+            x32, *a32,
         )  # fmt: skip
     finally:
         torch.backends.cuda.matmul.allow_tf32 = strict
-    got = _fwd_and_force_bwd(
-        lambda *a: cohorts.mixing_stack(*a, fused=precision, cohort_edges=2048),
-        x32, *a32,
-    )  # fmt: skip
+    options.reset_fallback_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", options.FallbackWarning)  # the kernels serve it
+        got = _fwd_and_force_bwd(
+            lambda *a: cohorts.mixing_stack(*a, fused=precision, cohort_edges=2048),
+            x32, *a32,
+        )  # fmt: skip
     for out, r32, r64 in zip(got, ref32, ref64, strict=True):
         assert_close_three_way(out, r32, r64, f"layers on CUDA, {precision}")
+
+
+def _planes_rows(E, W, dev, seed, nan_sin0):
+    """Rows that are a planes pair ``(E, W, 3)`` (chapter 3's hand-over), their
+    m = 0 sin plane NaN when it must not be read."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randn(3, 2, E, W, generator=g, dtype=torch.float64).to(dev)
+    if nan_sin0:
+        P[0, 1] = float("nan")
+    return P.float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", [1, 31, 33, 8193])
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
+def test_gpu_stack_on_planes_pairs(E, recompute):
+    """The model's call of the fused stack: rows that are a planes pair, sin0_zero
+    (the m = 0 sin plane NaN: never read), one cohort and a tail tile; forward and
+    force backward, kept z and recomputing, against the fp64 reference by the
+    three-way rule at TF32; y and dx handed out as planes pairs, their m = 0 sin
+    planes zero."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, ws, bs, wo, bo = _fused_args(1, 2, 3, True, F=192, Fo=96)
+    ws, bs = [w.cuda() for w in ws], [b.cuda() for b in bs]
+    wo, bo = wo.cuda(), bo.cuda()
+    X = _planes_rows(E, 192, "cuda", 1, True)
+    G = _planes_rows(E, 96, "cuda", 2, True)
+    rows = lambda P: (P[:, 0].permute(1, 2, 0), P[:, 1].permute(1, 2, 0))  # noqa: E731
+    f32 = [[w.float() for w in ws], [b.float() for b in bs], wo.float(), bo.float()]
+    kw = {"sin0_zero": True, "cohort_edges": 4096}
+    options.reset_fallback_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", options.FallbackWarning)
+        y_cos, y_sin, z = layers_mod.stack_forward(
+            *rows(X), *f32, "tf32-stack", keep=not recompute, **kw
+        )  # fmt: skip
+        if recompute:
+            dx = layers_mod.stack_recompute_backward(
+                *rows(X), *rows(G), f32[0], f32[1], f32[2], "tf32-stack", **kw
+            )  # fmt: skip
+        else:
+            dx = layers_mod.stack_backward(z, *rows(G), f32[0], f32[2], "tf32-stack",
+                                           **kw)  # fmt: skip
+    assert layers_mod._as_planes(y_cos, y_sin) is not None
+    assert layers_mod._as_planes(*dx) is not None
+    for t in (y_sin, dx[1]):
+        assert torch.equal(t[..., 0], torch.zeros_like(t[..., 0]))
+
+    def ref(dtype, linear):
+        x = [t.to(dtype).clone() for t in rows(torch.nan_to_num(X))]
+        x[1][..., 0] = 0
+        x = [t.requires_grad_() for t in x]
+        g = [t.to(dtype).clone() for t in rows(torch.nan_to_num(G))]
+        g[1][..., 0] = 0
+        p = [[w.to(dtype) for w in ws], [b.to(dtype) for b in bs], wo.to(dtype),
+             bo.to(dtype)]  # fmt: skip
+        y = reference.mixing_stack(*x, *p, linear)
+        return (*y, *torch.autograd.grad(y, x, g))
+
+    ref64 = ref(torch.float64, reference.equivariant_linear)
+    strict, torch.backends.cuda.matmul.allow_tf32 = (
+        torch.backends.cuda.matmul.allow_tf32, False,
+    )  # fmt: skip
+    try:
+        ref32 = ref(torch.float32, _operands_at("tf32"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = strict
+    for out, r32, r64 in zip((y_cos, y_sin, *dx), ref32, ref64, strict=True):
+        assert_close_three_way(out, r32, r64, f"fused stack, E = {E}")
+
+
+@needs_triton
+def test_stack_falls_back_to_the_layer_kernels_loudly():
+    """``"tf32-stack"`` where the fused kernels cannot serve (here: not CUDA, or
+    widths other than the book's) runs the layer kernels in ``"tf32"``, with a
+    FallbackWarning that says why, and gives their result bit for bit."""
+    x, ws, bs, wo, bo = _fused_args(37, 2, 3, True, dtype=torch.float32)
+    x = [t.detach() for t in x]
+    g = [torch.randn(37, 16, 3) for _ in range(2)]
+    options.reset_fallback_warnings()
+    with pytest.warns(options.FallbackWarning, match=r"tf32-stack.*(CUDA|192|Gluon)"):
+        y = layers_mod.stack_forward(*x, ws, bs, wo, bo, "tf32-stack")
+    ref = layers_mod.stack_forward(*x, ws, bs, wo, bo, "tf32")
+    for a, b in zip(y, ref, strict=True):
+        assert torch.equal(a, b)
+    dx = layers_mod.stack_backward(y[2], *g, ws, wo, "tf32-stack")
+    for a, b in zip(dx, layers_mod.stack_backward(ref[2], *g, ws, wo, "tf32"),
+                    strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+
+
+def test_stack_why_not_and_z_layout():
+    """What the fused kernels serve, said before any launch; a z that is not a
+    cohort's rows of a contiguous ``(K, 3, 2, E, F)`` is a ValueError."""
+    from ecekern.cohorts import fused
+
+    why = fused.why_not_fused
+    dev = "cuda"
+    if fused.gluon is None:  # (Triton's interpreter on, or another release)
+        assert "Gluon" in why(192, 96, 3, torch.float32, dev, "tf32")
+    else:
+        assert why(192, 96, 3, torch.float32, dev, "tf32") is None
+        assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32")
+        assert "float32" in why(192, 96, 3, torch.float64, dev, "tf32")
+        assert "float32" in why(192, 96, 3, torch.float32, dev, "bf16")
+        assert "192" in why(128, 64, 3, torch.float32, dev, "tf32")
+    z = torch.empty(2, 3, 2, 100, 192)
+    assert fused._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
+    for bad in (z.transpose(3, 4)[..., :192, :100], torch.empty(2, 3, 2, 40, 192)[:1]):
+        with pytest.raises(ValueError, match="cohort's rows"):
+            fused._z_plane(bad, 2, 40)
 
 
 @pytest.mark.gpu

@@ -376,10 +376,10 @@ def mixing_stack(
     if x_rebuild is not None and not callable(x_rebuild):
         raise TypeError(f"x_rebuild must be None or callable, got {x_rebuild!r:.60}")
     if fused is not None and (
-        not isinstance(fused, str) or fused not in _layers.PRECISIONS
+        not isinstance(fused, str) or fused not in _layers.KERNELS
     ):
         raise ValueError(
-            f"fused must be None or one of {_layers.PRECISIONS}, got {fused!r}"
+            f"fused must be None or one of {_layers.KERNELS}, got {fused!r}"
         )
     for name, seq in (("weights", weights), ("biases", biases)):
         if not isinstance(seq, (list, tuple)):

@@ -47,7 +47,8 @@ of it ``1 - 1/(2 n_ang)`` (five sixths at n_ang = 3). Recomputing adds the gated
 layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (times
 ``1 - 1/(2 n_ang)`` with ``sin0_zero``).
 
-Precision: ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
+Precision (``KERNELS``; ``"tf32-stack"`` hands the call to the fused stack,
+:mod:`.fused`): ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
 (fp32-accurate: ``hi lo + lo hi + hi hi`` in three TF32 products, W split once a
 call by :func:`split_tf32`, the rows split in registers, each inner chunk summed
 from zero and added to the accumulator in fp32) and ``"bf16"`` (operands rounded
@@ -69,7 +70,9 @@ import functools
 
 import torch
 
+from .. import options
 from .._triton import INTERPRET, tl, triton, why_not_triton
+from . import fused as _fused
 from .planes import (
     _as_planes,
     _backward_buffers,
@@ -82,7 +85,9 @@ from .planes import (
 )
 
 __all__ = [
+    "KERNELS",
     "PRECISIONS",
+    "STACK",
     "stack_backward",
     "stack_forward",
     "split_tf32",
@@ -92,6 +97,10 @@ __all__ = [
 
 #: Precisions of the products: ``tl.dot``'s input precisions, and bf16 operands.
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+#: The whole stack in one kernel per tile of edges (:mod:`.fused`), TF32; where it
+#: cannot serve a call, the layer kernels in ``"tf32"`` do, with a warning.
+STACK = "tf32-stack"
+KERNELS = (*PRECISIONS, STACK)
 #: Edges and output features a program, inner-product chunk, warps and pipeline
 #: depth, per precision (H200 sweep, chapter 6).
 TILES = {
@@ -265,7 +274,7 @@ def why_not_layers(x_cos, weight_out, precision) -> str | None:
     """Why the kernels cannot serve a call, or None (resolved once per device type,
     dtype, precision and widths, then cached)."""
     if not isinstance(precision, str):
-        return f"precision {precision!r} is not one of {PRECISIONS}"
+        return f"precision {precision!r} is not one of {KERNELS}"
     n_ang, FO, F = weight_out.shape
     return _why_not(x_cos.device.type, x_cos.dtype, precision, F, FO)
 
@@ -277,13 +286,30 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
         return why
     if dtype not in (torch.float32, torch.float64):
         return f"dtype {dtype} (float32 and float64 only)"
-    if precision not in PRECISIONS:
-        return f"precision {precision!r} is not one of {PRECISIONS}"
+    if precision not in KERNELS:
+        return f"precision {precision!r} is not one of {KERNELS}"
     if dtype == torch.float64 and precision != "ieee":
         return f"float64 takes precision 'ieee', not {precision!r}"
     if min(_block(F), _block(FO)) < 16:
         return f"F and F' must both be multiples of 16 (F = {F}, F' = {FO})"
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _why_not_stack(device_type: str, dtype, F: int, FO: int, n_ang: int):
+    return _fused.why_not_fused(F, FO, n_ang, dtype, device_type, "tf32")
+
+
+def _resolve(precision: str, dev, dtype, F: int, FO: int, n_ang: int):
+    """``(precision, stack)``: ``"tf32-stack"`` becomes ``"tf32"``, with ``stack``
+    True where the fused kernels serve the call; where not, a warning says why
+    (once) and the layer kernels run."""
+    if precision != STACK:
+        return precision, False
+    why = _why_not_stack(dev.type, dtype, F, FO, n_ang)
+    if why:
+        options.fallback("cohorts.layers[tf32-stack]", why, to="the layer kernels")
+    return "tf32", why is None
 
 
 def _check(name: str, t, shape: tuple, device) -> None:
@@ -449,6 +475,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     n_ang, FO, F = _checked(x_cos, weights, weight_out, precision, dt)
     _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
     _check_biases(biases, bias_out, K, F, FO, dev, dt)
+    precision, stack = _resolve(precision, dev, dt, F, FO, n_ang)
     z = x_cos.new_empty((K, n_ang, 2, E, F)) if keep else None
     xp = _as_planes(x_cos, x_sin)  # planes in: no copies, and planes out
     if xp is not None:
@@ -460,17 +487,24 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     if not spans:
         return y_cos, y_sin, z
     c = spans[0][1]
-    ws = _weights((*weights, weight_out), precision)
-    bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
-    u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(2)]
+    if stack:
+        prep = _fused.forward_weights(weights, biases, weight_out, bias_out)
+        zc = None if keep else x_cos.new_empty((K, n_ang, 2, c, F))
+    else:
+        ws = _weights((*weights, weight_out), precision)
+        bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
+    u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(1 if stack else 2)]
     yp = x_cos.new_empty((n_ang, 2, c, FO)) if xp is None else None
     for a, b in spans:
         n = b - a
         src = _rows_in(xp, a, b, u[0], x_cos, x_sin, sin0_zero)
         dst = yP[:, :, a:b] if xp is not None else yp[:, :, :n]
         zk = z[:, :, :, a:b] if keep else None
-        _forward_cohort(src, n, zk, ws, bs, u, dst, F, FO, n_ang, precision, tiles,
-                        dt, keep, sin0_zero)  # fmt: skip
+        if stack:
+            _fused.forward(src, prep, zk if keep else zc[:, :, :, :n], dst, sin0_zero)
+        else:
+            _forward_cohort(src, n, zk, ws, bs, u, dst, F, FO, n_ang, precision,
+                            tiles, dt, keep, sin0_zero)  # fmt: skip
         if xp is None:
             _out(yp, n, y_cos[a:b], y_sin[a:b], sin0_zero)
     if xp is not None and sin0_zero:
@@ -507,6 +541,7 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
         raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
     n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
                                        dt, E)  # fmt: skip
+    precision, stack = _resolve(precision, dev, dt, F, FO, n_ang)
     _check("z", z, (K, n_ang, 2, E, F), dev)
     if not z.is_contiguous():
         raise ValueError("z must be contiguous, as stack_forward returns it")
@@ -515,12 +550,18 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     if not spans:
         return dx_cos, dx_sin
     gp, du, dz = _backward_buffers(dx_cos, n_ang, spans[0][1], F, FO)
+    prep = _fused.backward_weights(weights, weight_out) if stack else None
     for a, b in spans:
         n = b - a
         src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
         final = dxP[:, :, a:b] if dxP is not None else None
-        res = _backward_cohort(src, n, z[:, :, :, a:b], wt, du, dz, F, FO, n_ang,
-                               precision, tiles, dt, sin0_zero, final)  # fmt: skip
+        if stack:
+            res = du[0][:, :, :n] if final is None else final
+            _fused.backward(src, prep, z[:, :, :, a:b], res, sin0_zero)
+        else:
+            res = _backward_cohort(src, n, z[:, :, :, a:b], wt, du, dz, F, FO,
+                                   n_ang, precision, tiles, dt, sin0_zero,
+                                   final)  # fmt: skip
         if dxP is None:
             _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
     if dxP is not None and sin0_zero:
@@ -549,6 +590,7 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     K = len(weights)
     n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
                                        dt, E)  # fmt: skip
+    precision, stack = _resolve(precision, dev, dt, F, FO, n_ang)
     _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
     _check_biases(biases, None, K, F, FO, dev, dt)
     gP, dxP, dx_cos, dx_sin = _grad_layouts(g_cos, g_sin, E, F, n_ang)
@@ -561,17 +603,27 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     zc = x_cos.new_empty((K, n_ang, 2, c, F))
     gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
     xp = _as_planes(x_cos, x_sin)
+    if stack:  # the whole forward again (its y into gp's shape), then the backward
+        fwd = _fused.forward_weights(weights, biases, weight_out, None)
+        bwd = _fused.backward_weights(weights, weight_out)
     for a, b in spans:
         n = b - a
         src = _rows_in(xp, a, b, du[0], x_cos, x_sin, sin0_zero)
         # the gated layers only (z_1 .. z_K), through the dz buffers
         zk = zc[:, :, :, :n]
-        _forward_cohort(src, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
-                        precision, tiles, dt, True, sin0_zero)  # fmt: skip
+        if stack:
+            _fused.forward(src, fwd, zk, gp[:, :, :n], sin0_zero)  # y: scratch
+        else:
+            _forward_cohort(src, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
+                            precision, tiles, dt, True, sin0_zero)  # fmt: skip
         src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
         final = dxP[:, :, a:b] if dxP is not None else None
-        res = _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision,
-                               tiles, dt, sin0_zero, final)  # fmt: skip
+        if stack:
+            res = du[1][:, :, :n] if final is None else final
+            _fused.backward(src, bwd, zk, res, sin0_zero)
+        else:
+            res = _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision,
+                                   tiles, dt, sin0_zero, final)  # fmt: skip
         if dxP is None:
             _out(res, n, dx_cos[a:b], dx_sin[a:b], sin0_zero)
     if dxP is not None and sin0_zero:

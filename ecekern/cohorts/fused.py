@@ -1,0 +1,578 @@
+"""The whole mixing stack in one kernel per tile of edges, the tile on chip: forward,
+and the force backward, on the tensor cores (Gluon, Hopper ``wgmma``).
+
+Formula (:mod:`.layers`; per edge e, order m, cos and sin alike)::
+
+    u_0 = x;  z_k = W_k[m] u_(k-1) (+ b_k at m = 0, cos);  u_k = u_(k-1) + gate(z_k)
+    y = W_out[m] u_K (+ b_out at m = 0, cos)
+    du_K = W_out[m]^T dy;  dz_k = gate'(z_k) du_k;  du_(k-1) = du_k + W_k[m]^T dz_k
+    dx = du_0
+
+A program owns a tile of 32 edges at a time: 64 rows per order, the 32 cos rows over
+the 32 sin rows, one ``wgmma`` row block. Its state, u in the forward and du in the
+backward, ``3 x 64 x F`` fp32 (147 KB at F = 192), stays in shared memory through
+every layer; the weights stream through a ring of ``[64, 32]`` boxes by TMA, from
+L2 (every program reads all of them, once a tile). For each layer and order the
+tile's rows go, 32 inputs at a time, from shared memory into registers (the A
+operand) and meet the box of each 64 outputs; two warpgroups share the products,
+each half of every box's outputs. The epilogue applies bias, gate and residual and
+writes the order's new state back in place (the orders are block-diagonal: nothing
+else reads it), and z to global memory. The gate's ``s = sigmoid(p)`` of an edge's
+m >= 1 rows comes from the m = 0 cos row of z, which the same program wrote an
+order before.
+
+The backward holds du the same way: ``W_out^T dy`` first, then for each gated layer
+the orders, m = 0 first (its ``dz`` needs ``t = sum_(m>=1) du_m z_m`` of rows not
+yet overwritten); ``dz`` is made 32 inputs at a time from du, the kept z and p,
+cos and sin rows of an edge side by side, and handed to the products through a
+``[64, 32]`` buffer. The accumulators start at du: the residual.
+
+Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
+feature), any order and part strides below 2**31, rows contiguous;
+``z (K, n_ang, 2, n, F)`` a cohort's rows of a contiguous z; weights as
+:mod:`.layers`.
+
+Bytes (DRAM), in activations of ``2 n F n_ang`` values (cos and sin): the forward
+reads x and writes y and z (five of the six planes of each z_k),
+``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
+K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
+kernels' 6.3 and 9.6 (:mod:`.layers`, with ``sin0``). L2: all the weights, once
+a tile each way. FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows
+included.
+
+Precision: ``"tf32"`` (TF32 products, fp32 accumulation), float32 only.
+
+Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
+``cohort_fused="tf32-stack"``; compiles for sm_90 without a GPU (tests); its
+GPU tests compare it with the fp64 reference by the three-way rule at TF32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import gl, gluon, triton
+
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = [
+    "backward",
+    "backward_weights",
+    "forward",
+    "forward_weights",
+    "fused_backward",
+    "fused_forward",
+    "why_not_fused",
+]
+
+#: The shapes the kernels are written for: rows a tile, features, outputs, orders.
+ROWS, F_IN, F_OUT, N_ANG = 64, 192, 96, 3
+BK = 32  # inputs per K step: a box of W is [width, 32] fp32, 128-byte rows
+STAGES = 3  # K steps of W in flight
+WARPS = 8  # two warpgroups, each half of every product's outputs
+BOX = (
+    gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    if gluon is not None
+    else None
+)
+
+
+def _jit(fn=None, **kw):
+    if fn is None:
+        return lambda f: _jit(f, **kw)
+    return gluon.jit(fn, **kw) if gluon is not None else fn
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+@_jit
+def _sigmoid(p):
+    return 1.0 / (1.0 + gl.exp(-p))
+
+
+@_jit
+def _rows(e0, E, layout: gl.constexpr):
+    """Row r of a tile: part ``r // 32`` (0 cos, 1 sin) of edge ``e0 + r % 32``."""
+    r = gl.arange(0, 64, layout=layout)
+    edge = e0 + r % 32
+    return r // 32, edge, edge < E
+
+
+@_jit
+def _mma3(a, ring, st, a0, a1, a2):
+    """The three products of one K step: ``a [64, 32]`` (registers) times the
+    three ``[64 outputs, 32 inputs]`` boxes of W in ring stage st."""
+    a0 = warpgroup_mma(a, ring.index(3 * st).permute((1, 0)), a0, is_async=True)
+    a1 = warpgroup_mma(a, ring.index(3 * st + 1).permute((1, 0)), a1, is_async=True)
+    a2 = warpgroup_mma(a, ring.index(3 * st + 2).permute((1, 0)), a2, is_async=True)
+    return a0, a1, a2
+
+
+@_jit
+def _mma2(a, ring, st, a0, a1):
+    """The output layer's two products of one K step (its 96 outputs in two
+    boxes, the second half past them)."""
+    a0 = warpgroup_mma(a, ring.index(3 * st).permute((1, 0)), a0, is_async=True)
+    a1 = warpgroup_mma(a, ring.index(3 * st + 1).permute((1, 0)), a1, is_async=True)
+    return a0, a1
+
+
+@_jit
+def _load_w(c, NA: gl.constexpr, KA: gl.constexpr, KB: gl.constexpr,
+            NB: gl.constexpr, RB: gl.constexpr, wa_desc, wb_desc, ring, ready, g,
+            STG: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's weight sequence into ring stage ``g % STG`` as
+    ``[64, 32]`` boxes (64 outputs, 32 inputs): the first NA chunks from
+    ``wa_desc`` (three boxes each, ``KA`` K steps a matrix of 192 rows), then
+    ``wb_desc``'s (``NB`` boxes, ``KB`` K steps, a matrix every ``RB`` rows). A
+    matrix is a ``[layer, order]`` block of rows of the descriptor's 2-d view;
+    rows past the view arrive as zeros."""
+    s = g % STG
+    if c < NA:
+        mbarrier.expect(ready.index(s), 3 * wa_desc.block_type.nbytes)
+        for j in gl.static_range(3):
+            tma.async_copy_global_to_shared(
+                wa_desc, [(c // KA) * 192 + 64 * j, (c % KA) * 32], ready.index(s),
+                ring.index(3 * s + j),
+            )  # fmt: skip
+    else:
+        mbarrier.expect(ready.index(s), NB * wb_desc.block_type.nbytes)
+        for j in gl.static_range(NB):
+            tma.async_copy_global_to_shared(
+                wb_desc, [(c - NA) // KB * RB + 64 * j, (c - NA) % KB * 32],
+                ready.index(s), ring.index(3 * s + j),
+            )  # fmt: skip
+
+
+@_jit
+def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
+            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa_desc, wb_desc,
+            ring, ready, g, more, STG: gl.constexpr):  # fmt: skip
+    """After chunk c (global count g) retired its predecessor: chunk
+    ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
+    its end, the next tile's (if ``more``)."""
+    if c + STG - 1 < NCH:
+        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa_desc, wb_desc, ring, ready,
+                g + STG - 1, STG)  # fmt: skip
+    elif more:
+        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa_desc, wb_desc, ring, ready,
+                g + STG - 1, STG)  # fmt: skip
+
+
+@_jit
+def _fwd_epilogue(acc, j: gl.constexpr, k: gl.constexpr, m, u_s,
+                  b_ptr, z_ptr, sz, e0, E, HAS_B: gl.constexpr, F: gl.constexpr,
+                  acc_l: gl.constexpr):  # fmt: skip
+    """Outputs ``64 j ..`` of order m of gated layer k: z out, ``u += gate(z)``."""
+    part, edge, ok = _rows(e0, E, gl.SliceLayout(1, acc_l))
+    col = 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
+    part, edge, ok = part[:, None], edge[:, None], ok[:, None]
+    EF = sz.to(gl.int64)  # a plane of z
+    at = edge * F + col[None, :]  # int32 within a plane (the launcher checks)
+    if m == 0:
+        if HAS_B:
+            acc = acc + gl.where(part == 0, gl.load(b_ptr + k * F + col)[None, :], 0.0)
+        s = _sigmoid(acc)
+        g = gl.where(part == 0, acc * s, acc)  # SiLU on p; the m = 0 sin passes
+        gl.store(z_ptr + k * 6 * EF + at, acc, mask=ok & (part == 0))
+    else:
+        p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)  # z's m = 0 cos
+        g = acc * _sigmoid(p)
+        at = at + part * sz  # the sin plane follows the cos plane
+        gl.store(z_ptr + (k * 3 + m) * 2 * EF + at, acc, mask=ok)
+    box = u_s.index(m * 3 + j)
+    box.store(box.load(acc_l) + g)
+
+
+@_jit
+def _out_epilogue(acc, j: gl.constexpr, m, bo_ptr, y_ptr, sy_m, sy_c,
+                  e0, E, HAS_BO: gl.constexpr, SIN0: gl.constexpr, FO: gl.constexpr,
+                  acc_l: gl.constexpr):  # fmt: skip
+    """Outputs ``64 j ..`` (those below F') of order m of the output layer."""
+    part, edge, ok = _rows(e0, E, gl.SliceLayout(1, acc_l))
+    col = 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
+    part, edge, ok = part[:, None], edge[:, None], ok[:, None]
+    if HAS_BO:
+        bias = gl.load(bo_ptr + col, mask=col < FO, other=0.0)
+        acc = acc + gl.where((part == 0) & (m == 0), bias[None, :], 0.0)
+    if SIN0:
+        ok = ok & ((part == 0) | (m != 0))
+    ptr = y_ptr + m * sy_m + (part * sy_c + edge * FO + col[None, :])
+    gl.store(ptr, acc, mask=ok & (col < FO)[None, :])
+
+
+@_jit(do_not_specialize=["E", "n_tiles"])
+def _fused_fwd_kernel(
+    x_ptr, sx_m, sx_c, w_desc, wo_desc, b_ptr, bo_ptr, z_ptr, sz, y_ptr, sy_m, sy_c,
+    E, n_tiles,
+    K: gl.constexpr, HAS_B: gl.constexpr, HAS_BO: gl.constexpr, SIN0: gl.constexpr,
+    STG: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    F: gl.constexpr = 192
+    FO: gl.constexpr = 96
+    NA: gl.constexpr = K * 3 * 6  # the gated layers' W chunks, [192, 32] each
+    NCH: gl.constexpr = NA + 3 * 6  # and W_out's, [128, 32] (96 rows and past)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
+    ring = gl.allocate_shared_memory(gl.float32, [3 * STG, 64, 32], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STG):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_mine = gl.cdiv(n_tiles - pid, nprog)
+    for c0 in gl.static_range(STG - 1):
+        _load_w(c0, NA, 6, 6, 2, 96, w_desc, wo_desc, ring, ready, c0, STG)
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
+    zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
+    for it in range(n_mine):
+        e0 = (pid + it * nprog) * 32
+        more = it + 1 < n_mine
+        # 1. the tile's x into u (the m = 0 sin rows zero with SIN0)
+        part, edge, ok = _rows(e0, E, gl.SliceLayout(1, ld_l))
+        part, edge, ok = part[:, None], edge[:, None], ok[:, None]
+        for m in range(3):  # a loop, not unrolled: three loads in flight
+            okm = ok & ((part == 0) | (m != 0) | (not SIN0))
+            src = x_ptr + m * sx_m + (part * sx_c + edge * F + col)
+            for jb in gl.static_range(3):
+                u_s.index(m * 3 + jb).store(gl.load(src + 64 * jb, mask=okm, other=0.0))
+        gl.thread_barrier()
+        # 2. the gated layers, then the output layer, an order at a time
+        g0 = it * NCH
+        for k in gl.static_range(K + 1):
+            for m in range(3):
+                a0, a1, a2 = zero, zero, zero
+                a = gl.zeros([64, 32], gl.float32, layout=a_l)
+                for jb in range(3):  # K steps of 32 inputs, two a box of u
+                    for kh in gl.static_range(2):
+                        c = (k * 3 + m) * 6 + 2 * jb + kh
+                        g = g0 + c
+                        mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+                        prev = a
+                        box = u_s.index(m * 3 + jb).slice(32 * kh, 32, dim=1)
+                        a = box.load(a_l)
+                        if k < K:
+                            a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
+                            a0, a1, a2, prev = warpgroup_mma_wait(
+                                3, deps=[a0, a1, a2, prev]
+                            )
+                        else:
+                            a0, a1 = _mma2(a, ring, g % STG, a0, a1)
+                            a0, a1, prev = warpgroup_mma_wait(2, deps=[a0, a1, prev])
+                        _next_w(c, NCH, NA, 6, 6, 2, 96, w_desc, wo_desc, ring, ready,
+                                g, more, STG)  # fmt: skip
+                if k < K:
+                    a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+                    _fwd_epilogue(
+                        a0, 0, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
+                    )
+                    _fwd_epilogue(
+                        a1, 1, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
+                    )
+                    _fwd_epilogue(
+                        a2, 2, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
+                    )
+                    gl.thread_barrier()
+                else:
+                    a0, a1, a = warpgroup_mma_wait(0, deps=[a0, a1, a])
+                    _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
+                                  SIN0, FO, acc_l)  # fmt: skip
+                    _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
+                                  SIN0, FO, acc_l)  # fmt: skip
+        gl.thread_barrier()  # u is the next tile's
+
+
+@_jit
+def _half(e0, E, c0, t_l: gl.constexpr):
+    """Edge offsets, mask and input columns ``c0 ..`` of a ``[32, 32]`` half of a K
+    step."""
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, t_l))
+    col = c0 + gl.arange(0, 32, layout=gl.SliceLayout(0, t_l))[None, :]
+    return (e0 + r)[:, None], (e0 + r < E)[:, None], col
+
+
+@_jit
+def _to_a(a_s, lo, hi, a_l: gl.constexpr):
+    """The cos half ``lo`` over the sin half ``hi`` through ``a_s`` into registers
+    as a ``wgmma`` A operand."""
+    gl.thread_barrier()  # the last K step's operand is read
+    a_s.store(gl.join(lo, hi).permute((2, 0, 1)).reshape([64, 32]))
+    gl.thread_barrier()
+    return a_s.load(a_l)
+
+
+@_jit
+def _dy(a_s, dy_ptr, sd_m, sd_c, m, kc, e0, E,
+        SIN0: gl.constexpr, FO: gl.constexpr, a_l: gl.constexpr,
+        t_l: gl.constexpr):  # fmt: skip
+    """Outputs ``32 kc ..`` of dy of order m as an A operand."""
+    edge, ok, col = _half(e0, E, 32 * kc, t_l)
+    src = dy_ptr + m * sd_m + edge * FO + col
+    lo = gl.load(src, mask=ok, other=0.0)
+    if SIN0:
+        hi = gl.load(src + sd_c, mask=ok & (m != 0), other=0.0)
+    else:
+        hi = gl.load(src + sd_c, mask=ok, other=0.0)
+    return _to_a(a_s, lo, hi, a_l)
+
+
+@_jit
+def _dz(u_s, a_s, z_ptr, sz, k: gl.constexpr, m, jb, kh: gl.constexpr,
+        e0, E, F: gl.constexpr, a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
+    """Inputs ``64 jb + 32 kh ..`` of ``dz_k`` of order m as an A operand, from du
+    (shared), z and p (global): cos and sin rows of an edge side by side, as the
+    m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
+    edge, ok, col = _half(e0, E, 64 * jb + 32 * kh, t_l)
+    EF = sz.to(gl.int64)  # a plane of z
+    at = edge * F + col
+    p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)
+    s = _sigmoid(p)
+    box = u_s.index(m * 3 + jb).slice(32 * kh, 32, dim=1)
+    du_c = box.slice(0, 32, dim=0).load(t_l)
+    du_s = box.slice(32, 32, dim=0).load(t_l)
+    if m == 0:
+        t = gl.zeros([32, 32], gl.float32, layout=t_l)
+        for mm in gl.static_range(1, 3):
+            zc = z_ptr + (k * 3 + mm) * 2 * EF + at
+            bm = u_s.index(mm * 3 + jb).slice(32 * kh, 32, dim=1)
+            t += bm.slice(0, 32, dim=0).load(t_l) * gl.load(zc, mask=ok, other=0.0)
+            t += bm.slice(32, 32, dim=0).load(t_l) * gl.load(
+                zc + EF, mask=ok, other=0.0
+            )
+        ds = s * (1.0 - s)
+        lo = du_c * (s + p * ds) + t * ds
+        hi = du_s  # the m = 0 sin passes
+    else:
+        lo = du_c * s
+        hi = du_s * s
+    return _to_a(a_s, lo, hi, a_l)
+
+
+@_jit
+def _bwd_epilogue(acc, j: gl.constexpr, m, LAST: gl.constexpr, u_s,
+                  dx_ptr, sx_m, sx_c, e0, E, SIN0: gl.constexpr, F: gl.constexpr,
+                  acc_l: gl.constexpr):  # fmt: skip
+    """Outputs ``64 j ..`` of order m: du into u_s, or dx with LAST."""
+    if LAST:
+        part, edge, ok = _rows(e0, E, gl.SliceLayout(1, acc_l))
+        col = 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
+        part, edge, ok = part[:, None], edge[:, None], ok[:, None]
+        if SIN0:
+            ok = ok & ((part == 0) | (m != 0))
+        ptr = dx_ptr + m * sx_m + (part * sx_c + edge * F + col[None, :])
+        gl.store(ptr, acc, mask=ok)
+    else:
+        u_s.index(m * 3 + j).store(acc)
+
+
+@_jit(do_not_specialize=["E", "n_tiles"])
+def _fused_bwd_kernel(
+    dy_ptr, sd_m, sd_c, wt_desc, wot_desc, z_ptr, sz, dx_ptr, sx_m, sx_c, E, n_tiles,
+    K: gl.constexpr, SIN0: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    F: gl.constexpr = 192
+    FO: gl.constexpr = 96
+    NO: gl.constexpr = 3 * 3  # W_out^T's chunks first, [192, 32] each (K = 96)
+    NCH: gl.constexpr = NO + K * 3 * 6  # then the gated layers' W^T, last layer first
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
+    t_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
+    a_s = gl.allocate_shared_memory(gl.float32, [64, 32], BOX)
+    ring = gl.allocate_shared_memory(gl.float32, [3 * STG, 64, 32], wt_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STG):
+        mbarrier.init(ready.index(i), count=1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_mine = gl.cdiv(n_tiles - pid, nprog)
+    for c0 in gl.static_range(STG - 1):
+        _load_w(c0, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring, ready, c0, STG)
+    zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
+    gl.thread_barrier()
+    for it in range(n_mine):
+        e0 = (pid + it * nprog) * 32
+        more = it + 1 < n_mine
+        g0 = it * NCH
+        # 1. du_K = W_out^T dy, an order at a time
+        for m in range(3):
+            a0, a1, a2 = zero, zero, zero
+            a = gl.zeros([64, 32], gl.float32, layout=a_l)
+            for kc in range(3):
+                c = m * 3 + kc
+                g = g0 + c
+                prev = a
+                a = _dy(a_s, dy_ptr, sd_m, sd_c, m, kc, e0, E, SIN0, FO, a_l, t_l)
+                mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+                a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
+                a0, a1, a2, prev = warpgroup_mma_wait(3, deps=[a0, a1, a2, prev])
+                _next_w(c, NCH, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring, ready, g,
+                        more, STG)  # fmt: skip
+            a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+            _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
+                          acc_l)  # fmt: skip
+            _bwd_epilogue(a1, 1, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
+                          acc_l)  # fmt: skip
+            _bwd_epilogue(a2, 2, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
+                          acc_l)  # fmt: skip
+        gl.thread_barrier()
+        # 2. the gated layers, last first; in each, m = 0 first
+        for kk in gl.static_range(K):
+            k = K - 1 - kk
+            for m in range(3):
+                # the accumulators start at du_k: the residual
+                a0 = u_s.index(m * 3 + 0).load(acc_l)
+                a1 = u_s.index(m * 3 + 1).load(acc_l)
+                a2 = u_s.index(m * 3 + 2).load(acc_l)
+                a = gl.zeros([64, 32], gl.float32, layout=a_l)
+                for jb in range(3):
+                    for kh in gl.static_range(2):
+                        c = NO + (kk * 3 + m) * 6 + 2 * jb + kh
+                        g = g0 + c
+                        prev = a
+                        a = _dz(u_s, a_s, z_ptr, sz, k, m, jb, kh, e0, E, F, a_l, t_l)
+                        mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+                        a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
+                        a0, a1, a2, prev = warpgroup_mma_wait(
+                            3, deps=[a0, a1, a2, prev]
+                        )
+                        _next_w(c, NCH, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring,
+                                ready, g, more, STG)  # fmt: skip
+                a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+                gl.thread_barrier()  # every K step read du of this order
+                _bwd_epilogue(a0, 0, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,
+                              SIN0, F, acc_l)  # fmt: skip
+                _bwd_epilogue(a1, 1, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,
+                              SIN0, F, acc_l)  # fmt: skip
+                _bwd_epilogue(a2, 2, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,
+                              SIN0, F, acc_l)  # fmt: skip
+                gl.thread_barrier()
+
+
+# --------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------
+def _desc(w2d: torch.Tensor):
+    """A TMA descriptor of boxes ``[64, 32]`` over a contiguous fp32 matrix."""
+    layout = gl.NVMMASharedLayout.get_default_for([64, BK], gl.float32)
+    return TensorDescriptor.from_tensor(w2d, [64, BK], layout)
+
+
+def _grid(n_tiles: int, dev) -> int:
+    return max(
+        1, min(n_tiles, torch.cuda.get_device_properties(dev).multi_processor_count)
+    )
+
+
+def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str, precision: str):
+    """Why the fused kernels cannot serve a stack of this shape, or None."""
+    if gluon is None:
+        return "no validated Gluon in this Triton"
+    if device_type != "cuda":
+        return "not a CUDA tensor"
+    if dtype != torch.float32 or precision != "tf32":
+        return f"{dtype} in {precision!r}: the fused stack is float32 in 'tf32'"
+    if (F, FO, n_ang) != (F_IN, F_OUT, N_ANG):
+        return (f"F = {F}, F' = {FO}, n_ang = {n_ang}: the fused stack is written for "
+                f"{F_IN}, {F_OUT}, {N_ANG}")  # fmt: skip
+    return None
+
+
+def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
+    """The plane stride of ``z (K, 3, 2, n, F)``, planes one after another (a
+    cohort's rows of a contiguous z are)."""
+    sk, sm, sc, se, sf = z.stride()
+    if z.shape != (K, N_ANG, 2, n, F_IN) or (sf, se) != (1, F_IN) or sm != 2 * sc \
+            or sk != N_ANG * sm or N_ANG * sm >= 2**31:  # fmt: skip
+        raise ValueError(f"z {tuple(z.shape)} with strides {z.stride()} is not a "
+                         "cohort's rows of a contiguous (K, 3, 2, E, F)")  # fmt: skip
+    return sc
+
+
+def forward_weights(weights, biases, weight_out, bias_out) -> tuple:
+    """The forward's weights as the kernel takes them, once a call: the gated
+    layers' W stacked ``(K 3 F, F)``, W_out ``(3 F', F)``, the biases ``(K, F)``
+    (zeros for None) and ``(F',)`` or None."""
+    K = len(weights)
+    w = torch.stack([wk.detach() for wk in weights]).contiguous()
+    wo = weight_out.detach().contiguous().view(N_ANG * F_OUT, F_IN)
+    b = None
+    if any(bk is not None for bk in biases):
+        b = torch.stack([w.new_zeros(F_IN) if bk is None else bk.detach()
+                         for bk in biases]).contiguous()  # fmt: skip
+    bo = None if bias_out is None else bias_out.detach().contiguous()
+    return w.view(K * N_ANG * F_IN, F_IN), wo, b, bo, K
+
+
+def backward_weights(weights, weight_out) -> tuple:
+    """The backward's: the gated layers' W^T stacked last layer first (the
+    backward's order), ``(K 3 F, F)``, and W_out^T ``(3 F, F')``."""
+    K = len(weights)
+    wt = torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
+    wot = weight_out.detach().transpose(1, 2).contiguous()
+    return wt.contiguous().view(K * N_ANG * F_IN, F_IN), wot.view(-1, F_OUT), K
+
+
+def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
+    """The stack on planes ``xp (3, 2, n, F)`` into planes ``yp (3, 2, n, F')``,
+    the pre-activations into ``z (K, 3, 2, n, F)`` (a cohort's rows of a
+    contiguous z; its m = 0 sin planes are not written), with the weights of
+    :func:`forward_weights`. With ``sin0`` the m = 0 sin plane of x is not read
+    and that of y not written. Shapes and precision checked by the caller
+    (:func:`why_not_fused`)."""
+    w, wo, b, bo, K = prep
+    n = xp.shape[2]
+    n_tiles = triton.cdiv(n, 32)
+    if n_tiles == 0:
+        return
+    sz = _z_plane(z, K, n)
+    _fused_fwd_kernel[(_grid(n_tiles, xp.device),)](
+        xp, xp.stride(0), xp.stride(1), _desc(w), _desc(wo),
+        w if b is None else b, w if bo is None else bo, z, sz,
+        yp, yp.stride(0), yp.stride(1), n, n_tiles, K=K, HAS_B=b is not None,
+        HAS_BO=bo is not None, SIN0=sin0, STG=STAGES, num_warps=WARPS,
+    )  # fmt: skip
+
+
+def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
+    """dx into planes ``dxp (3, 2, n, F)`` for the output gradient's planes
+    ``gp (3, 2, n, F')`` from the kept ``z (K, 3, 2, n, F)`` (as :func:`forward`
+    wrote it), with the weights of :func:`backward_weights`; with ``sin0`` the
+    m = 0 sin plane of the gradient is not read and that of dx not written."""
+    wt, wot, K = prep
+    n = gp.shape[2]
+    n_tiles = triton.cdiv(n, 32)
+    if n_tiles == 0:
+        return
+    sz = _z_plane(z, K, n)
+    _fused_bwd_kernel[(_grid(n_tiles, gp.device),)](
+        gp, gp.stride(0), gp.stride(1), _desc(wt), _desc(wot), z, sz, dxp,
+        dxp.stride(0), dxp.stride(1), n, n_tiles, K=K, SIN0=sin0, STG=STAGES,
+        num_warps=WARPS,
+    )  # fmt: skip
+
+
+def fused_forward(xp, weights, biases, weight_out, bias_out, z, yp, sin0: bool):
+    """:func:`forward` with the weights as the model holds them."""
+    forward(xp, forward_weights(weights, biases, weight_out, bias_out), z, yp, sin0)
+
+
+def fused_backward(gp, weights, weight_out, z, dxp, sin0: bool):
+    """:func:`backward` with the weights as the model holds them."""
+    backward(gp, backward_weights(weights, weight_out), z, dxp, sin0)
