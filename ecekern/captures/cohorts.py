@@ -91,8 +91,11 @@ def capture(
 
 def _ncu(out: Path) -> str:
     """Nsight Compute on the layer kernels, forward and force backward, at each
-    precision (:func:`ecekern.captures.targets.cohorts_layers`)."""
-    return run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
+    precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
+    stack (:func:`~ecekern.captures.targets.cohorts_stack`)."""
+    a = run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
+    b = run_ncu("cohorts_stack", out / "ncu_stack.csv", ["-k", "regex:_fused"])
+    return f"layers: {a}; stack: {b}"
 
 
 def _planes_copy(rows):

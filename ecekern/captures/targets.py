@@ -219,8 +219,36 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
                   warmup=1)  # fmt: skip
 
 
+def cohorts_stack(E: int = 65_536):
+    """Chapter 6's fused stack (``"tf32-stack"``, :mod:`ecekern.cohorts.fused`) on
+    one cohort of the library's size, fp32, K = 2, the book's widths: the forward,
+    then the force backward, on planes pairs as the model hands them over."""
+    from ecekern._planes import planes_pair
+    from ecekern.cohorts import layers
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return scale * torch.randn(*shape, device="cuda", generator=g)
+
+    F, FO, n_ang = 192, 96, 3
+    P, *x = planes_pair(r(1), E, F, n_ang)
+    P.copy_(r(*P.shape))
+    Q, *gy = planes_pair(r(1), E, FO, n_ang)
+    Q.copy_(r(*Q.shape))
+    ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
+    wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
+    kw = {"sin0_zero": True, "cohort_edges": E}
+    z = layers.stack_forward(*x, ws, bs, wo, bo, layers.STACK, **kw)[2]
+    _in_range(lambda: layers.stack_forward(*x, ws, bs, wo, bo, layers.STACK, **kw),
+              warmup=1)  # fmt: skip
+    _in_range(lambda: layers.stack_backward(z, *gy, ws, wo, layers.STACK, **kw),
+              warmup=1)  # fmt: skip
+
+
 TARGETS = {
     "cohorts_layers": cohorts_layers,
+    "cohorts_stack": cohorts_stack,
     "copy": copy,
     "gemm": gemm,
     "force_step": force_step,
