@@ -330,28 +330,43 @@ def _dy(a_s, dy_ptr, sd_m, sd_c, m, kc, e0, E,
 
 
 @_jit
-def _dz(u_s, a_s, z_ptr, sz, k: gl.constexpr, m, jb, kh: gl.constexpr,
-        e0, E, F: gl.constexpr, a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
-    """Inputs ``64 jb + 32 kh ..`` of ``dz_k`` of order m as an A operand, from du
-    (shared), z and p (global): cos and sin rows of an edge side by side, as the
-    m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
-    edge, ok, col = _half(e0, E, 64 * jb + 32 * kh, t_l)
+def _zp(z_ptr, sz, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
+        t_l: gl.constexpr):  # fmt: skip
+    """What ``dz_k`` of order m needs from global memory for inputs ``c0 ..``
+    (``[32, 32]`` each): p, and at m = 0 the z of the m = 1, 2 rows, cos and sin
+    (masked off, no traffic, at m > 0 and past F). Loaded a K step ahead."""
+    edge, ok, col = _half(e0, E, c0, t_l)
+    ok = ok & (col < F)
     EF = sz.to(gl.int64)  # a plane of z
     at = edge * F + col
     p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)
+    zm = ok & (m == 0)
+    z1 = z_ptr + (k * 3 + 1) * 2 * EF + at
+    z2 = z_ptr + (k * 3 + 2) * 2 * EF + at
+    z1c = gl.load(z1, mask=zm, other=0.0)
+    z1s = gl.load(z1 + EF, mask=zm, other=0.0)
+    z2c = gl.load(z2, mask=zm, other=0.0)
+    z2s = gl.load(z2 + EF, mask=zm, other=0.0)
+    return p, z1c, z1s, z2c, z2s
+
+
+@_jit
+def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
+        a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
+    """Inputs ``64 jb + 32 kh ..`` of ``dz_k`` of order m as an A operand, from du
+    (shared) and what :func:`_zp` loaded: cos and sin rows of an edge side by side,
+    as the m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
     s = _sigmoid(p)
     box = u_s.index(m * 3 + jb).slice(32 * kh, 32, dim=1)
     du_c = box.slice(0, 32, dim=0).load(t_l)
     du_s = box.slice(32, 32, dim=0).load(t_l)
     if m == 0:
-        t = gl.zeros([32, 32], gl.float32, layout=t_l)
-        for mm in gl.static_range(1, 3):
-            zc = z_ptr + (k * 3 + mm) * 2 * EF + at
-            bm = u_s.index(mm * 3 + jb).slice(32 * kh, 32, dim=1)
-            t += bm.slice(0, 32, dim=0).load(t_l) * gl.load(zc, mask=ok, other=0.0)
-            t += bm.slice(32, 32, dim=0).load(t_l) * gl.load(
-                zc + EF, mask=ok, other=0.0
-            )
+        b1 = u_s.index(3 + jb).slice(32 * kh, 32, dim=1)
+        b2 = u_s.index(6 + jb).slice(32 * kh, 32, dim=1)
+        t = b1.slice(0, 32, dim=0).load(t_l) * z1c
+        t += b1.slice(32, 32, dim=0).load(t_l) * z1s
+        t += b2.slice(0, 32, dim=0).load(t_l) * z2c
+        t += b2.slice(32, 32, dim=0).load(t_l) * z2s
         ds = s * (1.0 - s)
         lo = du_c * (s + p * ds) + t * ds
         hi = du_s  # the m = 0 sin passes
@@ -441,12 +456,17 @@ def _fused_bwd_kernel(
                 a1 = u_s.index(m * 3 + 1).load(acc_l)
                 a2 = u_s.index(m * 3 + 2).load(acc_l)
                 a = gl.zeros([64, 32], gl.float32, layout=a_l)
+                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, t_l)
                 for jb in range(3):
                     for kh in gl.static_range(2):
                         c = NO + (kk * 3 + m) * 6 + 2 * jb + kh
                         g = g0 + c
                         prev = a
-                        a = _dz(u_s, a_s, z_ptr, sz, k, m, jb, kh, e0, E, F, a_l, t_l)
+                        q0, q1, q2, q3, q4 = n0, n1, n2, n3, n4
+                        # the next K step's loads in flight while this one computes
+                        c1 = 64 * jb + 32 * kh + 32
+                        n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, c1, e0, E, F, t_l)
+                        a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, a_l, t_l)
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
                         a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
                         a0, a1, a2, prev = warpgroup_mma_wait(
