@@ -1,7 +1,7 @@
 """The whole mixing stack in one kernel per tile of edges, the tile on chip: forward,
 and the force backward, on the tensor cores (Gluon, Hopper ``wgmma``).
 
-Formula (:mod:`.layers`; per edge e, order m, cos and sin alike)::
+Formula (``ecekern.cohorts.layers``; per edge e, order m, cos and sin alike)::
 
     u_0 = x;  z_k = W_k[m] u_(k-1) (+ b_k at m = 0, cos);  u_k = u_(k-1) + gate(z_k)
     y = W_out[m] u_K (+ b_out at m = 0, cos)
@@ -23,22 +23,21 @@ order before.
 
 The backward holds du the same way: ``W_out^T dy`` first, then for each gated layer
 the orders, m = 0 first (its ``dz`` needs ``t = sum_(m>=1) du_m z_m`` of rows not
-yet overwritten); ``dz`` is made 32 inputs at a time from du, the kept z and p,
-cos and sin rows of an edge side by side, and handed to the products through a
-``[64, 32]`` buffer. The accumulators start at du: the residual.
+yet overwritten); ``dz`` is made 32 inputs at a time from du, the kept z and p
+(loaded a K step ahead), cos and sin rows of an edge side by side, and handed to the
+products through a ``[64, 32]`` buffer. The accumulators start at du: the residual.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
 feature), any order and part strides below 2**31, rows contiguous;
 ``z (K, n_ang, 2, n, F)`` a cohort's rows of a contiguous z; weights as
-:mod:`.layers`.
+``ecekern.cohorts.layers``.
 
 Bytes (DRAM), in activations of ``2 n F n_ang`` values (cos and sin): the forward
 reads x and writes y and z (five of the six planes of each z_k),
 ``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
-kernels' 6.3 and 9.6 (:mod:`.layers`, with ``sin0``). L2: all the weights, once
-a tile each way. FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows
-included.
+kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way.
+FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included.
 
 Precision: ``"tf32"`` (TF32 products, fp32 accumulation), float32 only.
 
