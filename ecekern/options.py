@@ -43,7 +43,16 @@ __all__ = [
 LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
 ZONAL_PATHS = ("auto", "reference", "fused")
 EDGE_FRAME_PATHS = ("auto", "reference", "table", "packed")
-COHORT_FUSED = ("auto", "off", "ieee", "tf32", "tf32x3", "bf16", "tf32-stack")
+COHORT_FUSED = (
+    "auto",
+    "off",
+    "ieee",
+    "tf32",
+    "tf32x3",
+    "bf16",
+    "tf32-stack",
+    "tf32x3-stack",
+)
 
 
 @dataclass(frozen=True)
@@ -82,10 +91,10 @@ class Options:
             ``cohort_recompute``,
             :func:`~ecekern.cohorts.layers.stack_recompute_backward`) at a
             precision: ``"ieee"`` (strict fp32), ``"tf32x3"`` (fp32-accurate tensor
-            cores), ``"tf32"`` or ``"bf16"``, or ``"tf32-stack"``: the whole stack in
-            one kernel per tile of edges (:mod:`ecekern.cohorts.fused`, TF32;
-            where it cannot serve, the layer kernels in ``"tf32"``, with a
-            warning); ``"off"`` runs the
+            cores), ``"tf32"`` or ``"bf16"``, or ``"tf32x3-stack"``,
+            ``"tf32-stack"``: the whole stack in one kernel per tile of edges
+            (:mod:`ecekern.cohorts.fused`, 3xTF32 or TF32; where it cannot serve,
+            the layer kernels at that precision, with a warning); ``"off"`` runs the
             EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
             float32 on CUDA (chapter 6: force errors within 1.1x of strict fp32's,
             the step 1.9x faster) and ``"off"`` otherwise.

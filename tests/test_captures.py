@@ -326,9 +326,13 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert [r["dtype"] for r in rows] == ["float32"] * (len(rows) // 2) + [
         "float32+tf32"
     ] * (len(rows) // 2)
+    fused = {label for label, p in progress.CH6_STACKS if p.endswith("-stack")}
     for r in rows:
-        assert not r.get("error") and float(r["step_ms"]) > 0 and int(r["reps"]) >= 1
         assert r["n_atoms"] == "8"
+        if r["system"] in fused and r.get("error"):  # no Gluon on this machine: the
+            assert "FallbackWarning" in r["error"]  # row says so, and has no time
+            continue
+        assert not r.get("error") and float(r["step_ms"]) > 0 and int(r["reps"]) >= 1
     ref = rows[0]
     assert ref["options"].startswith("Options(reference=True")
     assert rows[1]["zonal"] == "reference" and rows[1]["edge_frame"] == "reference"
@@ -338,7 +342,8 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert rows[4]["mode"] == "replay" and rows[5]["mode"] == "replay"
     assert rows[5]["cohorts"] == "True" and rows[4]["cohorts"] == "False"
     for i, (label, _) in enumerate(progress.CH6_STACKS, start=6):
-        assert rows[i]["system"] == label and rows[i]["mode"] == "replay"
+        assert rows[i]["system"] == label
+        assert rows[i]["mode"] == "replay" or label in fused and rows[i]["error"]
     n = 6 + len(progress.CH6_STACKS)
     assert rows[n]["system"] == "library defaults" and rows[n]["mode"] == "eager"
     assert info["library_defaults"] == repr(ecekern.options.current())
@@ -349,7 +354,8 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert {"mixing_stack", "gie", "aggregate"} <= {r["stage"] for r in stages}
     (out / "manifest.json").write_text(json.dumps({"chapter": "01_reference"}))
     table = captures.progress_rows(tmp_path)
-    assert [r["system"] for r in table] == labels
+    assert [r["system"] for r in table] == [r["system"] for r in rows
+                                            if not r.get("error")]  # fmt: skip
     assert table[0]["vs_reference"] == pytest.approx(1.0)
     assert all(r["vs_fastest_peer"] > 0 for r in table)
 

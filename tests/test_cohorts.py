@@ -846,27 +846,31 @@ from ecekern._triton import gluon
 if gluon is None:
     sys.exit(77)
 from ecekern.cohorts import fused
-box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
-desc = f"tensordesc<fp32[64, 32],{box!r}>"
-for kernel, c in ((fused._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True)),
-                  (fused._fused_bwd_kernel, dict(K=2))):
-    c |= dict(SIN0=True, STG=fused.STAGES, num_warps=fused.WARPS)
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
-           else "*fp32" if n.endswith("ptr") else "i32" for n in names}
-    src = GluonASTSource(fn=kernel, signature=sig,
-                         constexprs={(names.index(k),): v for k, v in c.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=fused.WARPS))
-    assert "wgmma.mma_async" in k.asm["ptx"], kernel
-    assert k.metadata.shared <= 227 * 1024, (kernel, k.metadata.shared)
+for prec in fused.PRECISIONS:
+    bk = fused.BK[prec]
+    box = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
+    desc = f"tensordesc<fp32[64, {bk}],{box!r}>"
+    for kernel, c in ((fused._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True)),
+                      (fused._fused_bwd_kernel, dict(K=2))):
+        c |= dict(SIN0=True, X3=prec == "tf32x3", BK=bk, STG=fused.STAGES,
+                  num_warps=fused.WARPS)
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
+               else "*fp32" if n.endswith("ptr") else "i32" for n in names}
+        src = GluonASTSource(fn=kernel, signature=sig,
+                             constexprs={(names.index(k),): v for k, v in c.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=fused.WARPS))
+        n = k.asm["ptx"].count("wgmma.mma_async")
+        assert n >= (150 if prec == "tf32x3" else 50), (prec, kernel, n)
+        assert k.metadata.shared <= 227 * 1024, (prec, kernel, k.metadata.shared)
 """
 
 _COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ecekern.cohorts import layers
+from ecekern.cohorts import layer_kernels as layers
 for prec in ("tf32x3", "bf16"):
     BE, BN, BK, warps, stages = layers.TILES[prec]
     for kernel, flags in (
@@ -1022,11 +1026,13 @@ def test_fused_cannot_serve_falls_back_loudly():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32", "bf16", "tf32-stack"])
+@pytest.mark.parametrize(
+    "precision", ["ieee", "tf32x3", "tf32", "bf16", "tf32-stack", "tf32x3-stack"]
+)
 def test_gpu_layers_three_way(precision):
     """The book's widths (F = 192, F' = 96, n_ang = 3, K = 2) on CUDA, in cohorts of
     2048 rows with a tail tile; the three-way rule, the reference's operands cut to
-    the precision's (:func:`_operands_at`)."""
+    the precision's (:func:`_operands_at`: 3xTF32 against strict fp32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     x64, *a64 = _fused_args(5003, 2, 3, True, F=192, Fo=96)
@@ -1042,7 +1048,7 @@ def test_gpu_layers_three_way(precision):
     )  # the reference's fp32 products in fp32, its operands cut by _operands_at
     try:
         ref32 = _fwd_and_force_bwd(
-            lambda *a: reference.mixing_stack(*a, _operands_at(precision[:4])),
+            lambda *a: reference.mixing_stack(*a, _operands_at(_products(precision))),
             x32, *a32,
         )  # fmt: skip
     finally:
@@ -1058,6 +1064,11 @@ def test_gpu_layers_three_way(precision):
         assert_close_three_way(out, r32, r64, f"layers on CUDA, {precision}")
 
 
+def _products(precision):
+    """The precision of a kernel's products: a fused stack's, or the kernel's own."""
+    return layers_mod.STACKS.get(precision, precision)
+
+
 def _planes_rows(E, W, dev, seed, nan_sin0):
     """Rows that are a planes pair ``(E, W, 3)`` (chapter 3's hand-over), their
     m = 0 sin plane NaN when it must not be read."""
@@ -1071,12 +1082,13 @@ def _planes_rows(E, W, dev, seed, nan_sin0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("E", [1, 31, 33, 8193])
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
-def test_gpu_stack_on_planes_pairs(E, recompute):
+@pytest.mark.parametrize("stack", ["tf32-stack", "tf32x3-stack"])
+def test_gpu_stack_on_planes_pairs(E, recompute, stack):
     """The model's call of the fused stack: rows that are a planes pair, sin0_zero
     (the m = 0 sin plane NaN: never read), one cohort and a tail tile; forward and
     force backward, kept z and recomputing, against the fp64 reference by the
-    three-way rule at TF32; y and dx handed out as planes pairs, their m = 0 sin
-    planes zero."""
+    three-way rule at the stack's precision; y and dx handed out as planes pairs,
+    their m = 0 sin planes zero."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     _, ws, bs, wo, bo = _fused_args(1, 2, 3, True, F=192, Fo=96)
@@ -1091,15 +1103,14 @@ def test_gpu_stack_on_planes_pairs(E, recompute):
     with warnings.catch_warnings():
         warnings.simplefilter("error", options.FallbackWarning)
         y_cos, y_sin, z = layers_mod.stack_forward(
-            *rows(X), *f32, "tf32-stack", keep=not recompute, **kw
+            *rows(X), *f32, stack, keep=not recompute, **kw
         )  # fmt: skip
         if recompute:
             dx = layers_mod.stack_recompute_backward(
-                *rows(X), *rows(G), f32[0], f32[1], f32[2], "tf32-stack", **kw
+                *rows(X), *rows(G), f32[0], f32[1], f32[2], stack, **kw
             )  # fmt: skip
         else:
-            dx = layers_mod.stack_backward(z, *rows(G), f32[0], f32[2], "tf32-stack",
-                                           **kw)  # fmt: skip
+            dx = layers_mod.stack_backward(z, *rows(G), f32[0], f32[2], stack, **kw)
     assert layers_mod._as_planes(y_cos, y_sin) is not None
     assert layers_mod._as_planes(*dx) is not None
     for t in (y_sin, dx[1]):
@@ -1121,29 +1132,31 @@ def test_gpu_stack_on_planes_pairs(E, recompute):
         torch.backends.cuda.matmul.allow_tf32, False,
     )  # fmt: skip
     try:
-        ref32 = ref(torch.float32, _operands_at("tf32"))
+        ref32 = ref(torch.float32, _operands_at(_products(stack)))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = strict
     for out, r32, r64 in zip((y_cos, y_sin, *dx), ref32, ref64, strict=True):
-        assert_close_three_way(out, r32, r64, f"fused stack, E = {E}")
+        assert_close_three_way(out, r32, r64, f"{stack}, E = {E}")
 
 
 @needs_triton
-def test_stack_falls_back_to_the_layer_kernels_loudly():
-    """``"tf32-stack"`` where the fused kernels cannot serve (here: not CUDA, or
-    widths other than the book's) runs the layer kernels in ``"tf32"``, with a
-    FallbackWarning that says why, and gives their result bit for bit."""
+@pytest.mark.parametrize("stack", ["tf32-stack", "tf32x3-stack"])
+def test_stack_falls_back_to_the_layer_kernels_loudly(stack):
+    """A fused stack where its kernels cannot serve (here: not CUDA, or widths
+    other than the book's) runs the layer kernels at its products' precision, with
+    a FallbackWarning that says why, and gives their result bit for bit."""
+    prec = layers_mod.STACKS[stack]
     x, ws, bs, wo, bo = _fused_args(37, 2, 3, True, dtype=torch.float32)
     x = [t.detach() for t in x]
     g = [torch.randn(37, 16, 3) for _ in range(2)]
     options.reset_fallback_warnings()
-    with pytest.warns(options.FallbackWarning, match=r"tf32-stack.*(CUDA|192|Gluon)"):
-        y = layers_mod.stack_forward(*x, ws, bs, wo, bo, "tf32-stack")
-    ref = layers_mod.stack_forward(*x, ws, bs, wo, bo, "tf32")
+    with pytest.warns(options.FallbackWarning, match=rf"{stack}.*(CUDA|192|Gluon)"):
+        y = layers_mod.stack_forward(*x, ws, bs, wo, bo, stack)
+    ref = layers_mod.stack_forward(*x, ws, bs, wo, bo, prec)
     for a, b in zip(y, ref, strict=True):
         assert torch.equal(a, b)
-    dx = layers_mod.stack_backward(y[2], *g, ws, wo, "tf32-stack")
-    for a, b in zip(dx, layers_mod.stack_backward(ref[2], *g, ws, wo, "tf32"),
+    dx = layers_mod.stack_backward(y[2], *g, ws, wo, stack)
+    for a, b in zip(dx, layers_mod.stack_backward(ref[2], *g, ws, wo, prec),
                     strict=True):  # fmt: skip
         assert torch.equal(a, b)
 
@@ -1161,6 +1174,7 @@ def test_stack_why_not_and_z_layout():
         assert why(192, 96, 3, torch.float32, dev, "tf32") is None
         assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32")
         assert "float32" in why(192, 96, 3, torch.float64, dev, "tf32")
+        assert why(192, 96, 3, torch.float32, dev, "tf32x3") is None
         assert "float32" in why(192, 96, 3, torch.float32, dev, "bf16")
         assert "192" in why(128, 64, 3, torch.float32, dev, "tf32")
     z = torch.empty(2, 3, 2, 100, 192)

@@ -103,6 +103,8 @@ PROGRESS_ROWS = (
     "+ ch6 cohorts",
     "+ ch6 3xTF32 stack",
     "+ ch6 TF32 stack",
+    "+ ch6 fused 3xTF32 stack",
+    "+ ch6 fused TF32 stack",
     "+ ch6 bf16 stack",
     "library defaults",
     "reference + torch.compile",

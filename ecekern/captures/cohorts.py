@@ -49,15 +49,16 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
-#: The layer kernels' rows of the ``stack`` part, and the fused stack's (one kernel
-#: per tile of edges, ``"tf32-stack"``): (label, precision); they skip the m = 0 sin
-#: part as the model does (``sin0_zero``).
+#: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
+#: per tile of edges, ``"tf32-stack"``, ``"tf32x3-stack"``): (label, precision); they
+#: skip the m = 0 sin part as the model does (``sin0_zero``).
 FUSED = (
     ("layers ieee", "ieee"),
     ("layers tf32x3", "tf32x3"),
     ("layers tf32", "tf32"),
     ("layers bf16", "bf16"),
     ("stack tf32", "tf32-stack"),
+    ("stack tf32x3", "tf32x3-stack"),
 )
 #: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
 FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)

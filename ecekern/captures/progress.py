@@ -15,7 +15,8 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
 6. ``+ ch6 cohorts``: the same with ``cohorts=True, cohort_fused="off"`` (the
    mixing stack's backward in cohorts, strict fp32 linears), replayed; then
    ``+ ch6 3xTF32 stack``, ``+ ch6 TF32 stack``, ``+ ch6 bf16 stack``: the stack by
-   the layer kernels at that precision (:data:`CH6_STACKS`), replayed;
+   the layer kernels at that precision, and ``+ ch6 fused 3xTF32 stack``,
+   ``+ ch6 fused TF32 stack``: by the fused stack (:data:`CH6_STACKS`), replayed;
 7. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
    ``options.current()`` was);
 8. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
@@ -62,6 +63,8 @@ CHAPTER_SWITCHES = (
 CH6_STACKS = (
     ("+ ch6 3xTF32 stack", "tf32x3"),
     ("+ ch6 TF32 stack", "tf32"),
+    ("+ ch6 fused 3xTF32 stack", "tf32x3-stack"),
+    ("+ ch6 fused TF32 stack", "tf32-stack"),
     ("+ ch6 bf16 stack", "bf16"),
 )
 

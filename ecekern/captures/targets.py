@@ -220,9 +220,10 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
 
 
 def cohorts_stack(E: int = 65_536):
-    """Chapter 6's fused stack (``"tf32-stack"``, :mod:`ecekern.cohorts.fused`) on
-    one cohort of the library's size, fp32, K = 2, the book's widths: the forward,
-    then the force backward, on planes pairs as the model hands them over."""
+    """Chapter 6's fused stacks (:data:`ecekern.cohorts.layers.STACKS`,
+    :mod:`ecekern.cohorts.fused`), TF32 then 3xTF32, on one cohort of the library's
+    size, fp32, K = 2, the book's widths: the forward, then the force backward, on
+    planes pairs as the model hands them over."""
     from ecekern._planes import planes_pair
     from ecekern.cohorts import layers
 
@@ -239,11 +240,12 @@ def cohorts_stack(E: int = 65_536):
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
     kw = {"sin0_zero": True, "cohort_edges": E}
-    z = layers.stack_forward(*x, ws, bs, wo, bo, layers.STACK, **kw)[2]
-    _in_range(lambda: layers.stack_forward(*x, ws, bs, wo, bo, layers.STACK, **kw),
-              warmup=1)  # fmt: skip
-    _in_range(lambda: layers.stack_backward(z, *gy, ws, wo, layers.STACK, **kw),
-              warmup=1)  # fmt: skip
+    for s in layers.STACKS:
+        z = layers.stack_forward(*x, ws, bs, wo, bo, s, **kw)[2]
+        _in_range(lambda s=s: layers.stack_forward(*x, ws, bs, wo, bo, s, **kw),
+                  warmup=1)  # fmt: skip
+        _in_range(lambda s=s, z=z: layers.stack_backward(z, *gy, ws, wo, s, **kw),
+                  warmup=1)  # fmt: skip
 
 
 TARGETS = {

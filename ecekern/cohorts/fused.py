@@ -11,21 +11,21 @@ Formula (``ecekern.cohorts.layers``; per edge e, order m, cos and sin alike)::
 A program owns a tile of 32 edges at a time: 64 rows per order, the 32 cos rows over
 the 32 sin rows, one ``wgmma`` row block. Its state, u in the forward and du in the
 backward, ``3 x 64 x F`` fp32 (147 KB at F = 192), stays in shared memory through
-every layer; the weights stream through a ring of ``[64, 32]`` boxes by TMA, from
-L2 (every program reads all of them, once a tile). For each layer and order the
-tile's rows go, 32 inputs at a time, from shared memory into registers (the A
-operand) and meet the box of each 64 outputs; two warpgroups share the products,
-each half of every box's outputs. The epilogue applies bias, gate and residual and
-writes the order's new state back in place (the orders are block-diagonal: nothing
-else reads it), and z to global memory. The gate's ``s = sigmoid(p)`` of an edge's
-m >= 1 rows comes from the m = 0 cos row of z, which the same program wrote an
-order before.
+every layer; the weights stream through a ring of ``[64, BK]`` boxes by TMA, from
+L2 (every program reads all of them, once a tile), three K steps in flight. For
+each layer and order the tile's rows go, BK inputs at a time, from shared memory
+into registers (the A operand) and meet the box of each 64 outputs; two warpgroups
+share the products, each half of every box's outputs. The epilogue applies bias,
+gate and residual and writes the order's new state back in place (the orders are
+block-diagonal: nothing else reads it), and z to global memory. The gate's
+``s = sigmoid(p)`` of an edge's m >= 1 rows comes from the m = 0 cos row of z,
+which the same program wrote an order before.
 
 The backward holds du the same way: ``W_out^T dy`` first, then for each gated layer
 the orders, m = 0 first (its ``dz`` needs ``t = sum_(m>=1) du_m z_m`` of rows not
-yet overwritten); ``dz`` is made 32 inputs at a time from du, the kept z and p
+yet overwritten); ``dz`` is made BK inputs at a time from du, the kept z and p
 (loaded a K step ahead), cos and sin rows of an edge side by side, and handed to the
-products through a ``[64, 32]`` buffer. The accumulators start at du: the residual.
+products through a ``[64, BK]`` buffer. The accumulators start at du: the residual.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
 feature), any order and part strides below 2**31, rows contiguous;
@@ -36,14 +36,21 @@ Bytes (DRAM), in activations of ``2 n F n_ang`` values (cos and sin): the forwar
 reads x and writes y and z (five of the six planes of each z_k),
 ``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
-kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way.
-FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included.
+kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way
+(twice in 3xTF32: the TF32 part and the remainder).
+FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included; three
+times that on the tensor cores in 3xTF32.
 
-Precision: ``"tf32"`` (TF32 products, fp32 accumulation), float32 only.
+Precision (:data:`PRECISIONS`), float32 only: ``"tf32"`` (TF32 products, K steps of
+32 inputs) and ``"tf32x3"`` (fp32-accurate: ``lo hi + hi lo + hi hi``, W split once
+a call by :func:`~ecekern.cohorts.layer_kernels.split_tf32`, the rows in registers;
+K steps of 16 inputs, so that the ring of both parts fits beside u; the products of
+each 64 inputs (32 of dy) summed from zero and added to the accumulator in fp32).
 
 Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
-``cohort_fused="tf32-stack"``; compiles for sm_90 without a GPU (tests); its
-GPU tests compare it with the fp64 reference by the three-way rule at TF32.
+``cohort_fused="tf32-stack"`` or ``"tf32x3-stack"``; compiles for sm_90 without a
+GPU (tests); its GPU tests compare it with the fp64 reference by the three-way rule
+at its precision.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import gl, gluon, triton
+from .layer_kernels import split_tf32
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -71,16 +79,24 @@ __all__ = [
     "why_not_fused",
 ]
 
-#: The shapes the kernels are written for: rows a tile, features, outputs, orders.
-ROWS, F_IN, F_OUT, N_ANG = 64, 192, 96, 3
-BK = 32  # inputs per K step: a box of W is [width, 32] fp32, 128-byte rows
-STAGES = 3  # K steps of W in flight
+#: The shapes the kernels are written for: features, outputs, orders.
+F_IN, F_OUT, N_ANG = 192, 96, 3
+#: Precisions: TF32 products, or fp32-accurate ``hi lo + lo hi + hi hi`` (3xTF32).
+PRECISIONS = ("tf32", "tf32x3")
+#: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
+#: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
+BK = {"tf32": 32, "tf32x3": 16}
+STAGES = 3
 WARPS = 8  # two warpgroups, each half of every product's outputs
-BOX = (
-    gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-    if gluon is not None
-    else None
-)
+
+
+def _swizzle(bk: int):
+    """Shared layout of a ``[64, bk]`` fp32 box read as an A operand."""
+    return gl.SwizzledSharedLayout(4, 32 // bk, 8 * bk // 32, [1, 0])
+
+
+BOX = gl.constexpr(_swizzle(32)) if gluon is not None else None
+BOX16 = gl.constexpr(_swizzle(16)) if gluon is not None else None
 
 
 def _jit(fn=None, **kw):
@@ -98,6 +114,15 @@ def _sigmoid(p):
 
 
 @_jit
+def _round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (ties to even), kept in fp32:
+    ``x - _round_tf32(x)`` is exact."""
+    u = x.to(gl.uint32, bitcast=True)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.to(gl.float32, bitcast=True)
+
+
+@_jit
 def _rows(e0, E, layout: gl.constexpr):
     """Row r of a tile: part ``r // 32`` (0 cos, 1 sin) of edge ``e0 + r % 32``."""
     r = gl.arange(0, 64, layout=layout)
@@ -106,64 +131,107 @@ def _rows(e0, E, layout: gl.constexpr):
 
 
 @_jit
-def _mma3(a, ring, st, a0, a1, a2):
-    """The three products of one K step: ``a [64, 32]`` (registers) times the
-    three ``[64 outputs, 32 inputs]`` boxes of W in ring stage st."""
-    a0 = warpgroup_mma(a, ring.index(3 * st).permute((1, 0)), a0, is_async=True)
-    a1 = warpgroup_mma(a, ring.index(3 * st + 1).permute((1, 0)), a1, is_async=True)
-    a2 = warpgroup_mma(a, ring.index(3 * st + 2).permute((1, 0)), a2, is_async=True)
+def _mma(a, ring, b, a0, a1, a2, NB: gl.constexpr):
+    """``a [64, BK]`` (registers) times the NB ``[64 outputs, BK inputs]`` boxes of W
+    from ring box b, into the accumulators (a2 untouched at NB = 2)."""
+    a0 = warpgroup_mma(a, ring.index(b).permute((1, 0)), a0, is_async=True)
+    a1 = warpgroup_mma(a, ring.index(b + 1).permute((1, 0)), a1, is_async=True)
+    if NB == 3:
+        a2 = warpgroup_mma(a, ring.index(b + 2).permute((1, 0)), a2, is_async=True)
     return a0, a1, a2
 
 
 @_jit
-def _mma2(a, ring, st, a0, a1):
-    """The output layer's two products of one K step (its 96 outputs in two
-    boxes, the second half past them)."""
-    a0 = warpgroup_mma(a, ring.index(3 * st).permute((1, 0)), a0, is_async=True)
-    a1 = warpgroup_mma(a, ring.index(3 * st + 1).permute((1, 0)), a1, is_async=True)
-    return a0, a1
+def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr):
+    """One K step's products, ``a [64, BK]`` times W from ring stage st, issued.
+    In 3xTF32 the stage holds W's TF32 part (boxes 0-2) and remainder (3-5), a is
+    split here into ``hi`` and ``lo``, and the small products go first:
+    ``lo hi + hi lo + hi hi``. Returns the accumulators and the A operands in
+    flight: ``a`` and, in TF32, ``lo`` as it came (a loop-invariant zero)."""
+    if X3:
+        hi = _round_tf32(a)
+        lo = a - hi
+        c0, c1, c2 = _mma(lo, ring, 6 * st, c0, c1, c2, NB)
+        c0, c1, c2 = _mma(hi, ring, 6 * st + 3, c0, c1, c2, NB)
+        c0, c1, c2 = _mma(hi, ring, 6 * st, c0, c1, c2, NB)
+    else:
+        hi = a
+        c0, c1, c2 = _mma(a, ring, 3 * st, c0, c1, c2, NB)
+    return c0, c1, c2, hi, lo
+
+
+@_jit
+def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.constexpr):
+    """Wait until at most the last N K steps' products are in flight (N = 1: the
+    step before is done with its operands ``hi``, ``lo`` and its ring stage; N = 0:
+    every product is done)."""
+    if NB == 3:
+        if X3:
+            c0, c1, c2, hi, lo = warpgroup_mma_wait(9 * N, deps=[c0, c1, c2, hi, lo])
+        else:
+            c0, c1, c2, hi = warpgroup_mma_wait(3 * N, deps=[c0, c1, c2, hi])
+    else:
+        if X3:
+            c0, c1, hi, lo = warpgroup_mma_wait(6 * N, deps=[c0, c1, hi, lo])
+        else:
+            c0, c1, hi = warpgroup_mma_wait(2 * N, deps=[c0, c1, hi])
+    return c0, c1, c2
+
+
+@_jit
+def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
+    """n ``[64, BK]`` boxes of W from ``[row, col]``, 64 rows apart, into ring boxes
+    ``b ..``; in 3xTF32 the remainder's (``lo``) into ``b + 3 ..``."""
+    if X3:
+        mbarrier.expect(bar, 2 * n * desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, n * desc.block_type.nbytes)
+    for j in gl.static_range(n):
+        tma.async_copy_global_to_shared(desc, [row + 64 * j, col], bar,
+                                        ring.index(b + j))  # fmt: skip
+        if X3:
+            tma.async_copy_global_to_shared(lo, [row + 64 * j, col], bar,
+                                            ring.index(b + 3 + j))  # fmt: skip
 
 
 @_jit
 def _load_w(c, NA: gl.constexpr, KA: gl.constexpr, KB: gl.constexpr,
-            NB: gl.constexpr, RB: gl.constexpr, wa_desc, wb_desc, ring, ready, g,
-            STG: gl.constexpr):  # fmt: skip
-    """Chunk c of a tile's weight sequence into ring stage ``g % STG`` as
-    ``[64, 32]`` boxes (64 outputs, 32 inputs): the first NA chunks from
-    ``wa_desc`` (three boxes each, ``KA`` K steps a matrix of 192 rows), then
-    ``wb_desc``'s (``NB`` boxes, ``KB`` K steps, a matrix every ``RB`` rows). A
-    matrix is a ``[layer, order]`` block of rows of the descriptor's 2-d view;
-    rows past the view arrive as zeros."""
+            NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo, wb_lo, ring, ready,
+            g, STG: gl.constexpr, BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` as
+    ``[64, BK]`` boxes (64 outputs, BK inputs): the first NA chunks from ``wa``
+    (three boxes each, ``KA`` K steps a matrix of 192 rows), then ``wb``'s (``NB``
+    boxes, ``KB`` K steps, a matrix every ``RB`` rows). A matrix is a
+    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
+    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
+    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
     s = g % STG
-    if c < NA:
-        mbarrier.expect(ready.index(s), 3 * wa_desc.block_type.nbytes)
-        for j in gl.static_range(3):
-            tma.async_copy_global_to_shared(
-                wa_desc, [(c // KA) * 192 + 64 * j, (c % KA) * 32], ready.index(s),
-                ring.index(3 * s + j),
-            )  # fmt: skip
+    if X3:
+        b = 6 * s
     else:
-        mbarrier.expect(ready.index(s), NB * wb_desc.block_type.nbytes)
-        for j in gl.static_range(NB):
-            tma.async_copy_global_to_shared(
-                wb_desc, [(c - NA) // KB * RB + 64 * j, (c - NA) % KB * 32],
-                ready.index(s), ring.index(3 * s + j),
-            )  # fmt: skip
+        b = 3 * s
+    if c < NA:
+        _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, ready.index(s),
+               X3)  # fmt: skip
+    else:
+        _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
+               ready.index(s), X3)  # fmt: skip
 
 
 @_jit
 def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa_desc, wb_desc,
-            ring, ready, g, more, STG: gl.constexpr):  # fmt: skip
+            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo,
+            wb_lo, ring, ready, g, more, STG: gl.constexpr, BK: gl.constexpr,
+            X3: gl.constexpr):  # fmt: skip
     """After chunk c (global count g) retired its predecessor: chunk
     ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
     its end, the next tile's (if ``more``)."""
     if c + STG - 1 < NCH:
-        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa_desc, wb_desc, ring, ready,
-                g + STG - 1, STG)  # fmt: skip
+        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
+                g + STG - 1, STG, BK, X3)  # fmt: skip
     elif more:
-        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa_desc, wb_desc, ring, ready,
-                g + STG - 1, STG)  # fmt: skip
+        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring,
+                ready, g + STG - 1, STG, BK, X3)  # fmt: skip
 
 
 @_jit
@@ -210,22 +278,26 @@ def _out_epilogue(acc, j: gl.constexpr, m, bo_ptr, y_ptr, sy_m, sy_c,
 
 @_jit(do_not_specialize=["E", "n_tiles"])
 def _fused_fwd_kernel(
-    x_ptr, sx_m, sx_c, w_desc, wo_desc, b_ptr, bo_ptr, z_ptr, sz, y_ptr, sy_m, sy_c,
-    E, n_tiles,
+    x_ptr, sx_m, sx_c, w_desc, wo_desc, wl_desc, wol_desc, b_ptr, bo_ptr, z_ptr, sz,
+    y_ptr, sy_m, sy_c, E, n_tiles,
     K: gl.constexpr, HAS_B: gl.constexpr, HAS_BO: gl.constexpr, SIN0: gl.constexpr,
-    STG: gl.constexpr, num_warps: gl.constexpr,
+    X3: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
-    NA: gl.constexpr = K * 3 * 6  # the gated layers' W chunks, [192, 32] each
-    NCH: gl.constexpr = NA + 3 * 6  # and W_out's, [128, 32] (96 rows and past)
+    KS: gl.constexpr = 64 // BK  # K steps a box of u
+    KA: gl.constexpr = 192 // BK  # K steps a matrix
+    NA: gl.constexpr = K * 3 * KA  # the gated layers' W chunks, [192, BK] each
+    NCH: gl.constexpr = NA + 3 * KA  # and W_out's, [128, BK] (96 rows and past)
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
     )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
-    ring = gl.allocate_shared_memory(gl.float32, [3 * STG, 64, 32], w_desc.layout)
+    ring = gl.allocate_shared_memory(
+        gl.float32, [6 * STG if X3 else 3 * STG, 64, BK], w_desc.layout
+    )
     ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STG):
         mbarrier.init(ready.index(i), count=1)
@@ -233,8 +305,9 @@ def _fused_fwd_kernel(
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
-    for c0 in gl.static_range(STG - 1):
-        _load_w(c0, NA, 6, 6, 2, 96, w_desc, wo_desc, ring, ready, c0, STG)
+    for cp in gl.static_range(STG - 1):
+        _load_w(cp, NA, KA, KA, 2, 96, w_desc, wo_desc, wl_desc, wol_desc, ring, ready,
+                cp, STG, BK, X3)  # fmt: skip
     col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     for it in range(n_mine):
@@ -254,27 +327,42 @@ def _fused_fwd_kernel(
         for k in gl.static_range(K + 1):
             for m in range(3):
                 a0, a1, a2 = zero, zero, zero
-                a = gl.zeros([64, 32], gl.float32, layout=a_l)
-                for jb in range(3):  # K steps of 32 inputs, two a box of u
-                    for kh in gl.static_range(2):
-                        c = (k * 3 + m) * 6 + 2 * jb + kh
+                hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+                lo = hi
+                for jb in range(3):  # a box of u: 64 inputs, KS K steps
+                    if X3:
+                        c0, c1, c2 = zero, zero, zero  # a box's sum starts at zero
+                    else:
+                        c0, c1, c2 = a0, a1, a2
+                    for kh in gl.static_range(KS):
+                        c = (k * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                        prev = a
-                        box = u_s.index(m * 3 + jb).slice(32 * kh, 32, dim=1)
-                        a = box.load(a_l)
+                        p_hi, p_lo = hi, lo
+                        a = u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1).load(a_l)
                         if k < K:
-                            a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
-                            a0, a1, a2, prev = warpgroup_mma_wait(
-                                3, deps=[a0, a1, a2, prev]
-                            )
+                            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
+                                                       3, X3)  # fmt: skip
+                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
                         else:
-                            a0, a1 = _mma2(a, ring, g % STG, a0, a1)
-                            a0, a1, prev = warpgroup_mma_wait(2, deps=[a0, a1, prev])
-                        _next_w(c, NCH, NA, 6, 6, 2, 96, w_desc, wo_desc, ring, ready,
-                                g, more, STG)  # fmt: skip
+                            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
+                                                       2, X3)  # fmt: skip
+                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 2, X3, 1)
+                        _next_w(c, NCH, NA, KA, KA, 2, 96, w_desc, wo_desc,
+                                wl_desc, wol_desc, ring, ready, g, more, STG, BK,
+                                X3)  # fmt: skip
+                    if X3:  # the box's sum joins the accumulator in an fp32 add
+                        if k < K:
+                            c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
+                            a2 += c2
+                        else:
+                            c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 2, X3, 0)
+                        a0 += c0
+                        a1 += c1
+                    else:
+                        a0, a1, a2 = c0, c1, c2
                 if k < K:
-                    a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
                     _fwd_epilogue(
                         a0, 0, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
                     )
@@ -286,7 +374,7 @@ def _fused_fwd_kernel(
                     )
                     gl.thread_barrier()
                 else:
-                    a0, a1, a = warpgroup_mma_wait(0, deps=[a0, a1, a])
+                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 2, X3, 0)
                     _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
                                   SIN0, FO, acc_l)  # fmt: skip
                     _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
@@ -295,46 +383,46 @@ def _fused_fwd_kernel(
 
 
 @_jit
-def _half(e0, E, c0, t_l: gl.constexpr):
-    """Edge offsets, mask and input columns ``c0 ..`` of a ``[32, 32]`` half of a K
+def _half(e0, E, c0, BK: gl.constexpr, t_l: gl.constexpr):
+    """Edge offsets, mask and input columns ``c0 ..`` of a ``[32, BK]`` half of a K
     step."""
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, t_l))
-    col = c0 + gl.arange(0, 32, layout=gl.SliceLayout(0, t_l))[None, :]
+    col = c0 + gl.arange(0, BK, layout=gl.SliceLayout(0, t_l))[None, :]
     return (e0 + r)[:, None], (e0 + r < E)[:, None], col
 
 
 @_jit
-def _to_a(a_s, lo, hi, a_l: gl.constexpr):
+def _to_a(a_s, lo, hi, BK: gl.constexpr, a_l: gl.constexpr):
     """The cos half ``lo`` over the sin half ``hi`` through ``a_s`` into registers
     as a ``wgmma`` A operand."""
     gl.thread_barrier()  # the last K step's operand is read
-    a_s.store(gl.join(lo, hi).permute((2, 0, 1)).reshape([64, 32]))
+    a_s.store(gl.join(lo, hi).permute((2, 0, 1)).reshape([64, BK]))
     gl.thread_barrier()
     return a_s.load(a_l)
 
 
 @_jit
-def _dy(a_s, dy_ptr, sd_m, sd_c, m, kc, e0, E,
-        SIN0: gl.constexpr, FO: gl.constexpr, a_l: gl.constexpr,
+def _dy(a_s, dy_ptr, sd_m, sd_c, m, c0, e0, E,
+        SIN0: gl.constexpr, FO: gl.constexpr, BK: gl.constexpr, a_l: gl.constexpr,
         t_l: gl.constexpr):  # fmt: skip
-    """Outputs ``32 kc ..`` of dy of order m as an A operand."""
-    edge, ok, col = _half(e0, E, 32 * kc, t_l)
+    """Outputs ``c0 ..`` of dy of order m as an A operand."""
+    edge, ok, col = _half(e0, E, c0, BK, t_l)
     src = dy_ptr + m * sd_m + edge * FO + col
     lo = gl.load(src, mask=ok, other=0.0)
     if SIN0:
         hi = gl.load(src + sd_c, mask=ok & (m != 0), other=0.0)
     else:
         hi = gl.load(src + sd_c, mask=ok, other=0.0)
-    return _to_a(a_s, lo, hi, a_l)
+    return _to_a(a_s, lo, hi, BK, a_l)
 
 
 @_jit
 def _zp(z_ptr, sz, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
-        t_l: gl.constexpr):  # fmt: skip
+        BK: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
     """What ``dz_k`` of order m needs from global memory for inputs ``c0 ..``
-    (``[32, 32]`` each): p, and at m = 0 the z of the m = 1, 2 rows, cos and sin
+    (``[32, BK]`` each): p, and at m = 0 the z of the m = 1, 2 rows, cos and sin
     (masked off, no traffic, at m > 0 and past F). Loaded a K step ahead."""
-    edge, ok, col = _half(e0, E, c0, t_l)
+    edge, ok, col = _half(e0, E, c0, BK, t_l)
     ok = ok & (col < F)
     EF = sz.to(gl.int64)  # a plane of z
     at = edge * F + col
@@ -351,17 +439,17 @@ def _zp(z_ptr, sz, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
 
 @_jit
 def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
-        a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
-    """Inputs ``64 jb + 32 kh ..`` of ``dz_k`` of order m as an A operand, from du
+        BK: gl.constexpr, a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
+    """Inputs ``64 jb + BK kh ..`` of ``dz_k`` of order m as an A operand, from du
     (shared) and what :func:`_zp` loaded: cos and sin rows of an edge side by side,
     as the m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
     s = _sigmoid(p)
-    box = u_s.index(m * 3 + jb).slice(32 * kh, 32, dim=1)
+    box = u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1)
     du_c = box.slice(0, 32, dim=0).load(t_l)
     du_s = box.slice(32, 32, dim=0).load(t_l)
     if m == 0:
-        b1 = u_s.index(3 + jb).slice(32 * kh, 32, dim=1)
-        b2 = u_s.index(6 + jb).slice(32 * kh, 32, dim=1)
+        b1 = u_s.index(3 + jb).slice(BK * kh, BK, dim=1)
+        b2 = u_s.index(6 + jb).slice(BK * kh, BK, dim=1)
         t = b1.slice(0, 32, dim=0).load(t_l) * z1c
         t += b1.slice(32, 32, dim=0).load(t_l) * z1s
         t += b2.slice(0, 32, dim=0).load(t_l) * z2c
@@ -372,7 +460,7 @@ def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
     else:
         lo = du_c * s
         hi = du_s * s
-    return _to_a(a_s, lo, hi, a_l)
+    return _to_a(a_s, lo, hi, BK, a_l)
 
 
 @_jit
@@ -394,21 +482,32 @@ def _bwd_epilogue(acc, j: gl.constexpr, m, LAST: gl.constexpr, u_s,
 
 @_jit(do_not_specialize=["E", "n_tiles"])
 def _fused_bwd_kernel(
-    dy_ptr, sd_m, sd_c, wt_desc, wot_desc, z_ptr, sz, dx_ptr, sx_m, sx_c, E, n_tiles,
-    K: gl.constexpr, SIN0: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
+    dy_ptr, sd_m, sd_c, wt_desc, wot_desc, wtl_desc, wotl_desc, z_ptr, sz, dx_ptr,
+    sx_m, sx_c, E, n_tiles,
+    K: gl.constexpr, SIN0: gl.constexpr, X3: gl.constexpr, BK: gl.constexpr,
+    STG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
-    NO: gl.constexpr = 3 * 3  # W_out^T's chunks first, [192, 32] each (K = 96)
-    NCH: gl.constexpr = NO + K * 3 * 6  # then the gated layers' W^T, last layer first
+    KS: gl.constexpr = 64 // BK  # K steps a box of du
+    KH: gl.constexpr = 32 // BK  # K steps of 32 outputs of dy
+    KO: gl.constexpr = 96 // BK  # K steps of W_out^T, [192, BK] each, first
+    NO: gl.constexpr = 3 * KO
+    KA: gl.constexpr = 192 // BK  # then the gated layers' W^T, last layer first
+    NCH: gl.constexpr = NO + K * 3 * KA
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
     )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
-    t_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    t_l: gl.constexpr = gl.BlockedLayout([1, BK // 8], [4, 8], [num_warps, 1], [1, 0])
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
-    a_s = gl.allocate_shared_memory(gl.float32, [64, 32], BOX)
-    ring = gl.allocate_shared_memory(gl.float32, [3 * STG, 64, 32], wt_desc.layout)
+    if BK == 32:
+        a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX)
+    else:
+        a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX16)
+    ring = gl.allocate_shared_memory(
+        gl.float32, [6 * STG if X3 else 3 * STG, 64, BK], wt_desc.layout
+    )
     ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STG):
         mbarrier.init(ready.index(i), count=1)
@@ -416,8 +515,9 @@ def _fused_bwd_kernel(
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
-    for c0 in gl.static_range(STG - 1):
-        _load_w(c0, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring, ready, c0, STG)
+    for cp in gl.static_range(STG - 1):
+        _load_w(cp, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc, wtl_desc, ring,
+                ready, cp, STG, BK, X3)  # fmt: skip
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     gl.thread_barrier()
     for it in range(n_mine):
@@ -427,18 +527,32 @@ def _fused_bwd_kernel(
         # 1. du_K = W_out^T dy, an order at a time
         for m in range(3):
             a0, a1, a2 = zero, zero, zero
-            a = gl.zeros([64, 32], gl.float32, layout=a_l)
-            for kc in range(3):
-                c = m * 3 + kc
-                g = g0 + c
-                prev = a
-                a = _dy(a_s, dy_ptr, sd_m, sd_c, m, kc, e0, E, SIN0, FO, a_l, t_l)
-                mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
-                a0, a1, a2, prev = warpgroup_mma_wait(3, deps=[a0, a1, a2, prev])
-                _next_w(c, NCH, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring, ready, g,
-                        more, STG)  # fmt: skip
-            a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+            hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+            lo = hi
+            for kc in range(3):  # 32 outputs of dy, KH K steps
+                if X3:
+                    c0, c1, c2 = zero, zero, zero
+                else:
+                    c0, c1, c2 = a0, a1, a2
+                for kh in gl.static_range(KH):
+                    c = m * KO + KH * kc + kh
+                    g = g0 + c
+                    p_hi, p_lo = hi, lo
+                    a = _dy(a_s, dy_ptr, sd_m, sd_c, m, BK * (KH * kc + kh), e0, E,
+                            SIN0, FO, BK, a_l, t_l)  # fmt: skip
+                    mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+                    c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, 3, X3)
+                    c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
+                    _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc,
+                            wtl_desc, ring, ready, g, more, STG, BK, X3)  # fmt: skip
+                if X3:
+                    c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
+                    a0 += c0
+                    a1 += c1
+                    a2 += c2
+                else:
+                    a0, a1, a2 = c0, c1, c2
+            a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
             _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
                           acc_l)  # fmt: skip
             _bwd_epilogue(a1, 1, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
@@ -454,26 +568,39 @@ def _fused_bwd_kernel(
                 a0 = u_s.index(m * 3 + 0).load(acc_l)
                 a1 = u_s.index(m * 3 + 1).load(acc_l)
                 a2 = u_s.index(m * 3 + 2).load(acc_l)
-                a = gl.zeros([64, 32], gl.float32, layout=a_l)
-                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, t_l)
+                hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+                lo = hi
+                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, BK, t_l)
                 for jb in range(3):
-                    for kh in gl.static_range(2):
-                        c = NO + (kk * 3 + m) * 6 + 2 * jb + kh
+                    if X3:
+                        c0, c1, c2 = zero, zero, zero
+                    else:
+                        c0, c1, c2 = a0, a1, a2
+                    for kh in gl.static_range(KS):
+                        c = NO + (kk * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
-                        prev = a
+                        p_hi, p_lo = hi, lo
                         q0, q1, q2, q3, q4 = n0, n1, n2, n3, n4
                         # the next K step's loads in flight while this one computes
-                        c1 = 64 * jb + 32 * kh + 32
-                        n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, c1, e0, E, F, t_l)
-                        a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, a_l, t_l)
+                        c1st = 64 * jb + BK * kh + BK
+                        n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, c1st, e0, E, F, BK,
+                                                 t_l)  # fmt: skip
+                        a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l)
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                        a0, a1, a2 = _mma3(a, ring, g % STG, a0, a1, a2)
-                        a0, a1, a2, prev = warpgroup_mma_wait(
-                            3, deps=[a0, a1, a2, prev]
-                        )
-                        _next_w(c, NCH, NO, 3, 6, 3, 192, wot_desc, wt_desc, ring,
-                                ready, g, more, STG)  # fmt: skip
-                a0, a1, a2, a = warpgroup_mma_wait(0, deps=[a0, a1, a2, a])
+                        c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
+                                                   3, X3)  # fmt: skip
+                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
+                        _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc,
+                                wotl_desc, wtl_desc, ring, ready, g, more, STG, BK,
+                                X3)  # fmt: skip
+                    if X3:
+                        c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
+                        a0 += c0
+                        a1 += c1
+                        a2 += c2
+                    else:
+                        a0, a1, a2 = c0, c1, c2
+                a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
                 gl.thread_barrier()  # every K step read du of this order
                 _bwd_epilogue(a0, 0, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,
                               SIN0, F, acc_l)  # fmt: skip
@@ -487,10 +614,21 @@ def _fused_bwd_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-def _desc(w2d: torch.Tensor):
-    """A TMA descriptor of boxes ``[64, 32]`` over a contiguous fp32 matrix."""
-    layout = gl.NVMMASharedLayout.get_default_for([64, BK], gl.float32)
-    return TensorDescriptor.from_tensor(w2d, [64, BK], layout)
+def _desc(w2d: torch.Tensor, bk: int):
+    """A TMA descriptor of boxes ``[64, bk]`` over a contiguous fp32 matrix."""
+    layout = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
+    return TensorDescriptor.from_tensor(w2d, [64, bk], layout)
+
+
+def _descs(w2d: torch.Tensor, precision: str) -> tuple:
+    """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
+    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice (TF32)."""
+    bk = BK[precision]
+    if precision == "tf32x3":
+        hi, lo = split_tf32(w2d)
+        return _desc(hi, bk), _desc(lo, bk)
+    d = _desc(w2d.contiguous(), bk)
+    return d, d
 
 
 def _grid(n_tiles: int, dev) -> int:
@@ -505,8 +643,9 @@ def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str, precisio
         return "no validated Gluon in this Triton"
     if device_type != "cuda":
         return "not a CUDA tensor"
-    if dtype != torch.float32 or precision != "tf32":
-        return f"{dtype} in {precision!r}: the fused stack is float32 in 'tf32'"
+    if dtype != torch.float32 or precision not in PRECISIONS:
+        return (f"{dtype} in {precision!r}: the fused stack is float32 in "
+                f"{' or '.join(map(repr, PRECISIONS))}")  # fmt: skip
     if (F, FO, n_ang) != (F_IN, F_OUT, N_ANG):
         return (f"F = {F}, F' = {FO}, n_ang = {n_ang}: the fused stack is written for "
                 f"{F_IN}, {F_OUT}, {N_ANG}")  # fmt: skip
@@ -524,10 +663,11 @@ def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
     return sc
 
 
-def forward_weights(weights, biases, weight_out, bias_out) -> tuple:
-    """The forward's weights as the kernel takes them, once a call: the gated
-    layers' W stacked ``(K 3 F, F)``, W_out ``(3 F', F)``, the biases ``(K, F)``
-    (zeros for None) and ``(F',)`` or None."""
+def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
+    """The forward's weights as the kernel takes them, once a call: descriptors of
+    the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
+    split in 3xTF32, :func:`_descs`), the biases ``(K, F)`` (zeros for None) and
+    ``(F',)`` or None."""
     K = len(weights)
     w = torch.stack([wk.detach() for wk in weights]).contiguous()
     wo = weight_out.detach().contiguous().view(N_ANG * F_OUT, F_IN)
@@ -536,16 +676,18 @@ def forward_weights(weights, biases, weight_out, bias_out) -> tuple:
         b = torch.stack([w.new_zeros(F_IN) if bk is None else bk.detach()
                          for bk in biases]).contiguous()  # fmt: skip
     bo = None if bias_out is None else bias_out.detach().contiguous()
-    return w.view(K * N_ANG * F_IN, F_IN), wo, b, bo, K
+    w = w.view(K * N_ANG * F_IN, F_IN)
+    return _descs(w, precision), _descs(wo, precision), b, bo, K, precision
 
 
-def backward_weights(weights, weight_out) -> tuple:
-    """The backward's: the gated layers' W^T stacked last layer first (the
-    backward's order), ``(K 3 F, F)``, and W_out^T ``(3 F, F')``."""
+def backward_weights(weights, weight_out, precision="tf32") -> tuple:
+    """The backward's: descriptors of the gated layers' W^T stacked last layer
+    first (the backward's order), ``(K 3 F, F)``, and of W_out^T ``(3 F, F')``."""
     K = len(weights)
     wt = torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
     wot = weight_out.detach().transpose(1, 2).contiguous()
-    return wt.contiguous().view(K * N_ANG * F_IN, F_IN), wot.view(-1, F_OUT), K
+    wt = wt.contiguous().view(K * N_ANG * F_IN, F_IN)
+    return _descs(wt, precision), _descs(wot.view(-1, F_OUT), precision), K, precision
 
 
 def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
@@ -555,17 +697,18 @@ def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
     :func:`forward_weights`. With ``sin0`` the m = 0 sin plane of x is not read
     and that of y not written. Shapes and precision checked by the caller
     (:func:`why_not_fused`)."""
-    w, wo, b, bo, K = prep
+    (w, wl), (wo, wol), b, bo, K, precision = prep
     n = xp.shape[2]
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
     sz = _z_plane(z, K, n)
     _fused_fwd_kernel[(_grid(n_tiles, xp.device),)](
-        xp, xp.stride(0), xp.stride(1), _desc(w), _desc(wo),
-        w if b is None else b, w if bo is None else bo, z, sz,
+        xp, xp.stride(0), xp.stride(1), w, wo, wl, wol,
+        xp if b is None else b, xp if bo is None else bo, z, sz,
         yp, yp.stride(0), yp.stride(1), n, n_tiles, K=K, HAS_B=b is not None,
-        HAS_BO=bo is not None, SIN0=sin0, STG=STAGES, num_warps=WARPS,
+        HAS_BO=bo is not None, SIN0=sin0, X3=precision == "tf32x3",
+        BK=BK[precision], STG=STAGES, num_warps=WARPS,
     )  # fmt: skip
 
 
@@ -574,24 +717,27 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
     ``gp (3, 2, n, F')`` from the kept ``z (K, 3, 2, n, F)`` (as :func:`forward`
     wrote it), with the weights of :func:`backward_weights`; with ``sin0`` the
     m = 0 sin plane of the gradient is not read and that of dx not written."""
-    wt, wot, K = prep
+    (wt, wtl), (wot, wotl), K, precision = prep
     n = gp.shape[2]
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
     sz = _z_plane(z, K, n)
     _fused_bwd_kernel[(_grid(n_tiles, gp.device),)](
-        gp, gp.stride(0), gp.stride(1), _desc(wt), _desc(wot), z, sz, dxp,
-        dxp.stride(0), dxp.stride(1), n, n_tiles, K=K, SIN0=sin0, STG=STAGES,
-        num_warps=WARPS,
+        gp, gp.stride(0), gp.stride(1), wt, wot, wtl, wotl, z, sz, dxp,
+        dxp.stride(0), dxp.stride(1), n, n_tiles, K=K, SIN0=sin0,
+        X3=precision == "tf32x3", BK=BK[precision], STG=STAGES, num_warps=WARPS,
     )  # fmt: skip
 
 
-def fused_forward(xp, weights, biases, weight_out, bias_out, z, yp, sin0: bool):
+def fused_forward(xp, weights, biases, weight_out, bias_out, z, yp, sin0: bool,
+                  precision: str = "tf32"):  # fmt: skip
     """:func:`forward` with the weights as the model holds them."""
-    forward(xp, forward_weights(weights, biases, weight_out, bias_out), z, yp, sin0)
+    prep = forward_weights(weights, biases, weight_out, bias_out, precision)
+    forward(xp, prep, z, yp, sin0)
 
 
-def fused_backward(gp, weights, weight_out, z, dxp, sin0: bool):
+def fused_backward(gp, weights, weight_out, z, dxp, sin0: bool,
+                   precision: str = "tf32"):  # fmt: skip
     """:func:`backward` with the weights as the model holds them."""
-    backward(gp, backward_weights(weights, weight_out), z, dxp, sin0)
+    backward(gp, backward_weights(weights, weight_out, precision), z, dxp, sin0)

@@ -19,13 +19,8 @@ sin part); that plane then stays zero through every layer, and the kernels skip 
 (``SIN0``): ``2 n_ang - 1`` products a layer instead of ``2 n_ang`` (five instead
 of six at n_ang = 3), ``y_sin[..., 0] = 0`` and ``dx_sin[..., 0] = 0``.
 
-One kernel per layer each way, over cohorts of at most ``cohort_edges`` rows whose
-planes buffers are reused. A program owns ``BE`` edges and ``BN`` output
-features, for every order and for cos and sin: the orders are block-diagonal, so it
-runs one ``(BE, F_in) x (F_in, BN)`` product per order and part, m = 0 first in the
-forward (its cos row makes the gate's ``s = sigmoid(p)``) and m = 0 last in the
-backward (it needs ``sum_(m>=1) du_m z_m``). The gate, the bias and the residual add
-happen on the accumulator before it is stored; nothing of a layer is written twice.
+One kernel per layer each way (:mod:`.layer_kernels`), over cohorts of at most
+``cohort_edges`` rows whose planes buffers are reused.
 
 Shapes: ``x_cos, x_sin, dx_cos, dx_sin (E, F, n_ang)``, any strides;
 ``W_k (n_ang, F, F)``, ``W_out (n_ang, F', F)``; ``y, dy (E, F', n_ang)``. Between
@@ -71,15 +66,21 @@ import functools
 import torch
 
 from .. import options
-from .._triton import INTERPRET, tl, triton, why_not_triton
+from .._triton import why_not_triton
 from . import fused as _fused
+from .layer_kernels import (
+    _backward_cohort,
+    _block,
+    _forward_cohort,
+    _weights,
+    split_tf32,
+)
 from .planes import (
     _as_planes,
     _backward_buffers,
     _cohorts,
     _grad_layouts,
     _out,
-    _planes,
     _planes_pair,
     _rows_in,
 )
@@ -87,7 +88,7 @@ from .planes import (
 __all__ = [
     "KERNELS",
     "PRECISIONS",
-    "STACK",
+    "STACKS",
     "stack_backward",
     "stack_forward",
     "split_tf32",
@@ -97,179 +98,18 @@ __all__ = [
 
 #: Precisions of the products: ``tl.dot``'s input precisions, and bf16 operands.
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
-#: The whole stack in one kernel per tile of edges (:mod:`.fused`), TF32; where it
-#: cannot serve a call, the layer kernels in ``"tf32"`` do, with a warning.
-STACK = "tf32-stack"
-KERNELS = (*PRECISIONS, STACK)
-#: Edges and output features a program, inner-product chunk, warps and pipeline
-#: depth, per precision (H200 sweep, chapter 6).
-TILES = {
-    "ieee": (64, 64, 16, 4, 2),
-    "tf32": (64, 32, 32, 4, 3),
-    "tf32x3": (64, 32, 32, 4, 3),
-    "bf16": (64, 32, 32, 4, 3),
-}
+#: The whole stack in one kernel per tile of edges (:mod:`.fused`), by the precision
+#: of its products; where it cannot serve a call, the layer kernels at that precision
+#: do, with a warning.
+STACKS = {"tf32-stack": "tf32", "tf32x3-stack": "tf32x3"}
+KERNELS = (*PRECISIONS, *STACKS)
 #: Rows a cohort: the planes buffers hold this many edges.
 COHORT_EDGES = 65536
-#: Triton's CPU interpreter truncates to bfloat16 and multiplies bf16 wrongly; it
-#: gets the same operands rounded in fp32 instead.
-EMULATE_BF16 = tl.constexpr(INTERPRET)
 
 
 # --------------------------------------------------------------------------------------
-# the kernels
+# dispatch, checks, and the stack over cohorts
 # --------------------------------------------------------------------------------------
-@triton.jit
-def _round_bf16(x):
-    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in fp32."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_tf32(x):
-    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to
-    even), kept in fp32: ``x - _round_tf32(x)`` is exact."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-        DT: tl.constexpr, SLO: tl.constexpr = 0):  # fmt: skip
-    """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]``, rows ``a + row[e] KIN``, with
-    ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous). In ``"tf32x3"``
-    A is its TF32 part, and ``w + SLO`` the remainder (:func:`split_tf32`)."""
-    kk = tl.arange(0, BK)
-    n = n0 + tl.arange(0, BN)
-    acc = tl.zeros((BE, BN), DT)
-    for k0 in range(0, KIN, BK):
-        at = w + n[None, :] * SWO + (k0 + kk)[:, None]
-        wt = tl.load(at)  # (in, out)
-        x = tl.load(a + row[:, None] * KIN + (k0 + kk)[None, :], mask=ok[:, None],
-                    other=0.0)  # fmt: skip
-        if PREC == "tf32x3":  # lo hi + hi lo + hi hi, each a TF32 product
-            x_hi = _round_tf32(x)
-            c = tl.dot(x - x_hi, wt, input_precision="tf32", out_dtype=DT)
-            c = tl.dot(x_hi, tl.load(at + SLO), c, input_precision="tf32",
-                       out_dtype=DT)  # fmt: skip
-            # a chunk's sum starts at zero and joins acc in an fp32 add: summing
-            # every chunk into acc on the tensor cores lost most of the split's
-            # accuracy on the H200 (chapter 6's lab notes)
-            acc += tl.dot(x_hi, wt, c, input_precision="tf32", out_dtype=DT)
-        elif PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
-            acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
-        elif PREC == "bf16":
-            acc = tl.dot(x.to(tl.bfloat16), wt.to(tl.bfloat16), acc, out_dtype=DT)
-        else:
-            acc = tl.dot(x, wt, acc, input_precision=PREC, out_dtype=DT)
-    return acc
-
-
-@triton.jit
-def _tile(E, NOUT: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
-    """This program's ``BE`` edges ``e`` (int64) and ``BN`` output features from
-    ``n0`` (``n``, a row vector), with the row mask ``ok`` and its column ``okk``;
-    the ``NOUT / BN`` feature blocks of an edge block are neighbouring programs."""
-    NB: tl.constexpr = NOUT // BN
-    pid = tl.program_id(0)
-    e = (pid // NB).to(tl.int64) * BE + tl.arange(0, BE)
-    n0 = (pid % NB) * BN
-    n = n0 + tl.arange(0, BN)[None, :]
-    ok = e < E
-    return e, n0, n, ok, ok[:, None]
-
-
-@triton.jit(do_not_specialize=["E"])
-def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
-                      KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
-                      BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GATE: tl.constexpr, HAS_B: tl.constexpr, KEEP: tl.constexpr,
-                      SIN0: tl.constexpr, PREC: tl.constexpr,
-                      DT: tl.constexpr):  # fmt: skip
-    """One layer for BE edges and BN outputs, planes in and out (``x[m, c, e, i]``
-    at ``x + m s_m + c s_c + e width + i``): ``z = W u (+ b)``; with ``GATE``,
-    ``u + gate(z)`` is the output (and z is kept with ``KEEP``), else z is. With
-    ``SIN0`` the m = 0 sin planes are zero and are neither read nor written."""
-    sa_m, sa_c = tl.cast(sa_m, tl.int64), tl.cast(sa_c, tl.int64)  # z: all E rows
-    sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
-    so_m, so_c = tl.cast(so_m, tl.int64), tl.cast(so_c, tl.int64)
-    e, n0, n, ok, okk = _tile(E, NOUT, BE, BN)
-    s = tl.zeros((BE, BN), DT)
-    for m in tl.static_range(NA):  # m = 0 first: its cos row makes the gate
-        for c in tl.static_range(2):  # cos, sin
-            if m > 0 or c == 0 or not SIN0:
-                src = a + m * sa_m + c * sa_c
-                acc = _mm(src, e, ok, w + m * NOUT * KIN, KIN, n0, KIN, BE, BN, BK,
-                          PREC, DT, NA * NOUT * KIN)  # fmt: skip
-                if HAS_B and m == 0 and c == 0:
-                    acc += tl.load(b + n)
-                at = e[:, None] * NOUT + n
-                if GATE:
-                    if KEEP:
-                        tl.store(z + m * sz_m + c * sz_c + at, acc, mask=okk)
-                    if m == 0 and c == 0:  # SiLU on p
-                        s = tl.sigmoid(acc)
-                        acc = acc * s
-                    elif m > 0:  # the m = 0 sin rows pass ungated
-                        acc = acc * s
-                    acc += tl.load(src + at, mask=okk, other=0.0)  # residual, F_in = F
-                tl.store(o + m * so_m + c * so_c + at, acc, mask=okk)
-
-
-@triton.jit(do_not_specialize=["E"])
-def _layer_bwd_kernel(d, sd_m, sd_c, w, r, sr_m, sr_c, z, sz_m, sz_c, u, su_m, su_c,
-                      dz, sdz_m, sdz_c, E,
-                      KIN: tl.constexpr, NOUT: tl.constexpr, NA: tl.constexpr,
-                      BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      RES: tl.constexpr, GATE: tl.constexpr, SIN0: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """One stage of the backward for BE edges and BN features, planes as in the
-    forward: ``du = W^T d (+ r)`` into u; with ``GATE``, also ``dz = gate'(z) du``
-    for the layer below's kept z. ``SIN0``: the m = 0 sin planes are skipped."""
-    sd_m, sd_c = tl.cast(sd_m, tl.int64), tl.cast(sd_c, tl.int64)
-    sr_m, sr_c = tl.cast(sr_m, tl.int64), tl.cast(sr_c, tl.int64)
-    sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
-    su_m, su_c = tl.cast(su_m, tl.int64), tl.cast(su_c, tl.int64)
-    sdz_m, sdz_c = tl.cast(sdz_m, tl.int64), tl.cast(sdz_c, tl.int64)
-    e, n0, n, ok, okk = _tile(E, NOUT, BE, BN)
-    at = e[:, None] * NOUT + n
-    t = tl.zeros((BE, BN), DT)  # sum over m >= 1 of du_m z_m
-    for mi in tl.static_range(NA):
-        m = (mi + 1) % NA  # m = 1 .. n_ang - 1, then 0 (a constexpr)
-        for cc in tl.static_range(2):
-            c = 1 - cc  # sin, then cos: m = 0's cos is the very last
-            if m > 0 or c == 0 or not SIN0:
-                acc = _mm(d + m * sd_m + c * sd_c, e, ok, w + m * KIN * NOUT, KIN, n0,
-                          KIN, BE, BN, BK, PREC, DT, NA * KIN * NOUT)  # fmt: skip
-                if RES:
-                    acc += tl.load(r + m * sr_m + c * sr_c + at, mask=okk, other=0.0)
-                tl.store(u + m * su_m + c * su_c + at, acc, mask=okk)
-                if GATE:
-                    if m > 0 or c == 0:  # (the m = 0 sin rows pass ungated)
-                        p = tl.load(z + at, mask=okk, other=0.0)  # m = 0, cos
-                        sg = tl.sigmoid(p)
-                        if m > 0:
-                            zm = tl.load(z + m * sz_m + c * sz_c + at, mask=okk,
-                                         other=0.0)  # fmt: skip
-                            t += acc * zm
-                            acc = acc * sg
-                        else:
-                            acc = acc * sg + (acc * p + t) * (sg * (1 - sg))
-                    tl.store(dz + m * sdz_m + c * sdz_c + at, acc, mask=okk)
-
-
-# --------------------------------------------------------------------------------------
-# the launchers
-# --------------------------------------------------------------------------------------
-def _block(n: int) -> int:
-    """An output block: the largest power of two up to 64 dividing n."""
-    return min(64, n & -n)
-
-
 def why_not_layers(x_cos, weight_out, precision) -> str | None:
     """Why the kernels cannot serve a call, or None (resolved once per device type,
     dtype, precision and widths, then cached)."""
@@ -296,20 +136,21 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _why_not_stack(device_type: str, dtype, F: int, FO: int, n_ang: int):
-    return _fused.why_not_fused(F, FO, n_ang, dtype, device_type, "tf32")
+def _why_not_stack(device_type: str, dtype, F: int, FO: int, n_ang: int, prec: str):
+    return _fused.why_not_fused(F, FO, n_ang, dtype, device_type, prec)
 
 
 def _resolve(precision: str, dev, dtype, F: int, FO: int, n_ang: int):
-    """``(precision, stack)``: ``"tf32-stack"`` becomes ``"tf32"``, with ``stack``
-    True where the fused kernels serve the call; where not, a warning says why
-    (once) and the layer kernels run."""
-    if precision != STACK:
+    """``(precision, stack)``: a fused stack's name (:data:`STACKS`) becomes its
+    products' precision, with ``stack`` True where the fused kernels serve the
+    call; where not, a warning says why (once) and the layer kernels run."""
+    if precision not in STACKS:
         return precision, False
-    why = _why_not_stack(dev.type, dtype, F, FO, n_ang)
+    prec = STACKS[precision]
+    why = _why_not_stack(dev.type, dtype, F, FO, n_ang, prec)
     if why:
-        options.fallback("cohorts.layers[tf32-stack]", why, to="the layer kernels")
-    return "tf32", why is None
+        options.fallback(f"cohorts.layers[{precision}]", why, to="the layer kernels")
+    return prec, why is None
 
 
 def _check(name: str, t, shape: tuple, device) -> None:
@@ -353,36 +194,6 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     return n_ang, FO, F
 
 
-def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
-    BE, BN, BK, warps, stages = tiles or TILES[precision]
-    BN = min(BN, _block(NOUT))
-    BK = min(BK, _block(meta["KIN"]))
-    grid = (triton.cdiv(E, BE) * (NOUT // BN),)
-    kernel[grid](*args, E, NOUT=NOUT, BE=BE, BN=BN, BK=BK, PREC=precision,
-                 num_warps=warps, num_stages=stages, **meta)  # fmt: skip
-
-
-def split_tf32(w: torch.Tensor) -> torch.Tensor:
-    """``(2, *w.shape)``: w rounded to TF32 (nearest, ties to even) and the
-    remainder ``w - hi`` (exact in fp32), contiguous; the weights' form in
-    ``"tf32x3"``, split once a call instead of in every program."""
-    b = w.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    b = (b + 0xFFF + ((b >> 13) & 1)) & 0xFFFFE000
-    hi = torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
-    return torch.stack((hi, w.detach() - hi))
-
-
-def _weights(ws, precision: str):
-    """The kernels' form of each weight: contiguous, split in ``"tf32x3"``."""
-    if precision == "tf32x3":
-        return [split_tf32(w) for w in ws]
-    return [w.contiguous() for w in ws]
-
-
-def _dt(dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _flags(**flags) -> None:
     """A TypeError for a flag that is not a bool (``sin0_zero=2`` would skip a
     plane the kernels then read)."""
@@ -415,54 +226,14 @@ def _check_biases(biases, bias_out, K, F, FO, dev, dt):
                 raise TypeError(f"{name} has dtype {bk.dtype} but the rows have {dt}")
 
 
-def _forward_cohort(src, n, zk, ws, bs, u, yp, F, FO, n_ang, precision, tiles, dt,
-                    keep, sin0):  # fmt: skip
-    """The gated layers (``K = len(bs) - 1``) and the output layer on one cohort's
-    planes ``src`` (n rows), through the two ``u`` buffers into the planes ``yp``
-    (n rows); z into ``zk (K, n_ang, 2, n, F)`` with ``keep``. ``yp`` None: the
-    gated layers only, the output layer's weight and bias are not used."""
-    K = len(bs) - 1
-    for k in range(K + 1 if yp is not None else K):
-        last = k == K
-        dst = yp if last else u[(k + 1) % 2][:, :, :n]
-        z = zk[min(k, K - 1)] if K and keep else dst
-        _launch(_layer_fwd_kernel, n, FO if last else F, precision, tiles,
-                *_planes(src), ws[k], ws[k] if bs[k] is None else bs[k],
-                z, z.stride(0), z.stride(1), *_planes(dst),
-                KIN=F, NA=n_ang, GATE=not last, HAS_B=bs[k] is not None,
-                KEEP=keep, SIN0=sin0, DT=_dt(dt))  # fmt: skip
-        src = dst
-
-
-def _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision, tiles, dt,
-                     sin0, final=None):  # fmt: skip
-    """The backward of one cohort from the output gradient's planes ``src`` and its
-    kept ``zk (K, n_ang, 2, n, F)``: the planes of dx, into ``final`` (n rows) when
-    given, else one of ``du``."""
-    K, res = len(wt) - 1, None
-    for i, k in enumerate(reversed(range(K + 1))):  # W_out, then W_K .. W_1
-        gate = k > 0  # dz for the layer below, from its z
-        out, dzk = du[i % 2][:, :, :n], dz[i % 2][:, :, :n]
-        if k == 0 and final is not None:
-            out = final
-        z = zk[k - 1] if gate else out
-        r = out if res is None else res
-        _launch(_layer_bwd_kernel, n, F, precision, tiles,
-                *_planes(src), wt[k], *_planes(r),
-                z, z.stride(0), z.stride(1), *_planes(out), *_planes(dzk),
-                KIN=FO if k == K else F, NA=n_ang, RES=res is not None,
-                GATE=gate, SIN0=sin0, DT=_dt(dt))  # fmt: skip
-        src, res = dzk, out
-    return res
-
-
 def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
                   precision: str = "ieee", cohort_edges: int = COHORT_EDGES,
                   tiles=None, keep: bool = True, sin0_zero: bool = False):  # fmt: skip
     """``(y_cos, y_sin, z)`` of the stack on rows ``(E, F, n_ang)`` (any strides);
     ``z (K, n_ang, 2, E, F)`` the pre-activations (None unless ``keep``). The rows
     go through in cohorts of at most ``cohort_edges``, each copied into planes and
-    back. ``tiles``: ``(BE, BN, BK, warps, stages)`` instead of ``TILES``.
+    back. ``tiles``: ``(BE, BN, BK, warps, stages)`` instead of
+    :data:`~ecekern.cohorts.layer_kernels.TILES`.
     ``sin0_zero``: ``x_sin[..., 0]`` is taken as zero (not read), so that the m = 0
     sin part of every layer is zero and skipped: ``y_sin[..., 0] = 0``, and the
     m = 0 sin planes of z, ``z[:, 0, 1]``, are not written (they would be zero; no
@@ -488,7 +259,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
         return y_cos, y_sin, z
     c = spans[0][1]
     if stack:
-        prep = _fused.forward_weights(weights, biases, weight_out, bias_out)
+        prep = _fused.forward_weights(weights, biases, weight_out, bias_out, precision)
         zc = None if keep else x_cos.new_empty((K, n_ang, 2, c, F))
     else:
         ws = _weights((*weights, weight_out), precision)
@@ -515,8 +286,21 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
 def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
     n_ang, FO, F = _checked(g_cos, weights, weight_out, precision, dt)
     _check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
-    wt = _weights([w.transpose(1, 2) for w in (*weights, weight_out)], precision)
-    return n_ang, FO, F, wt
+    return n_ang, FO, F
+
+
+def _transposed(weights, weight_out, precision):
+    """The layer kernels' backward weights: every W^T, W_out^T, in their form."""
+    return _weights([w.transpose(1, 2) for w in (*weights, weight_out)], precision)
+
+
+def _fused_buffers(like, n_ang, c, F, FO, rows_in: bool, rows_out: bool):
+    """The fused backward's cohort buffers, only those a call needs: the output
+    gradient's planes ``gp`` (for rows copied in), and one ``du`` (for dx rows
+    copied out, or the recomputed forward's x rows copied in)."""
+    gp = like.new_empty((n_ang, 2, c, FO)) if rows_in else None
+    du = like.new_empty((n_ang, 2, c, F)) if rows_out else None
+    return gp, [du, du]
 
 
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee",
@@ -539,8 +323,8 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     K = len(weights)
     if z.ndim == 5 and z.shape[0] != K:
         raise ValueError(f"z holds {z.shape[0]} layers' pre-activations, {K} weights")
-    n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
-                                       dt, E)  # fmt: skip
+    n_ang, FO, F = _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt,
+                                   E)  # fmt: skip
     precision, stack = _resolve(precision, dev, dt, F, FO, n_ang)
     _check("z", z, (K, n_ang, 2, E, F), dev)
     if not z.is_contiguous():
@@ -549,8 +333,13 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "ieee"
     spans = _cohorts(E, cohort_edges)
     if not spans:
         return dx_cos, dx_sin
-    gp, du, dz = _backward_buffers(dx_cos, n_ang, spans[0][1], F, FO)
-    prep = _fused.backward_weights(weights, weight_out) if stack else None
+    c = spans[0][1]
+    if stack:
+        prep = _fused.backward_weights(weights, weight_out, precision)
+        gp, du = _fused_buffers(dx_cos, n_ang, c, F, FO, gP is None, dxP is None)
+    else:
+        wt = _transposed(weights, weight_out, precision)
+        gp, du, dz = _backward_buffers(dx_cos, n_ang, c, F, FO)
     for a, b in spans:
         n = b - a
         src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
@@ -588,8 +377,8 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
                             f"{t!r:.60}")  # fmt: skip
     E, dev, dt = x_cos.shape[0], x_cos.device, x_cos.dtype
     K = len(weights)
-    n_ang, FO, F, wt = _backward_setup(g_cos, g_sin, weights, weight_out, precision,
-                                       dt, E)  # fmt: skip
+    n_ang, FO, F = _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt,
+                                   E)  # fmt: skip
     precision, stack = _resolve(precision, dev, dt, F, FO, n_ang)
     _check_rows(E, F, n_ang, dev, dt, x_cos=x_cos, x_sin=x_sin)
     _check_biases(biases, None, K, F, FO, dev, dt)
@@ -598,14 +387,18 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     if not spans:
         return dx_cos, dx_sin
     c = spans[0][1]
-    ws = _weights(weights, precision)
-    bs = [None if b is None else b.contiguous() for b in biases]
     zc = x_cos.new_empty((K, n_ang, 2, c, F))
-    gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
     xp = _as_planes(x_cos, x_sin)
     if stack:  # the whole forward again (its y into gp's shape), then the backward
-        fwd = _fused.forward_weights(weights, biases, weight_out, None)
-        bwd = _fused.backward_weights(weights, weight_out)
+        fwd = _fused.forward_weights(weights, biases, weight_out, None, precision)
+        bwd = _fused.backward_weights(weights, weight_out, precision)
+        gp, du = _fused_buffers(x_cos, n_ang, c, F, FO, True,
+                                xp is None or dxP is None)  # fmt: skip
+    else:
+        ws = _weights(weights, precision)
+        wt = _transposed(weights, weight_out, precision)
+        bs = [None if b is None else b.contiguous() for b in biases]
+        gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
     for a, b in spans:
         n = b - a
         src = _rows_in(xp, a, b, du[0], x_cos, x_sin, sin0_zero)
@@ -618,7 +411,7 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
                             precision, tiles, dt, True, sin0_zero)  # fmt: skip
         src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
         final = dxP[:, :, a:b] if dxP is not None else None
-        if stack:
+        if stack:  # (du[0] is du[1]: the forward has read x's rows)
             res = du[1][:, :, :n] if final is None else final
             _fused.backward(src, bwd, zk, res, sin0_zero)
         else:
