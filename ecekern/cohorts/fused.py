@@ -81,7 +81,8 @@ __all__ = [
 
 #: The shapes the kernels are written for: features, outputs, orders.
 F_IN, F_OUT, N_ANG = 192, 96, 3
-#: Precisions: TF32 products, or fp32-accurate ``hi lo + lo hi + hi hi`` (3xTF32).
+#: The precisions of the products: TF32, or fp32-accurate ``hi lo + lo hi + hi hi``
+#: (3xTF32).
 PRECISIONS = ("tf32", "tf32x3")
 #: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
 #: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
@@ -666,7 +667,7 @@ def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
 def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
     """The forward's weights as the kernel takes them, once a call: descriptors of
     the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
-    split in 3xTF32, :func:`_descs`), the biases ``(K, F)`` (zeros for None) and
+    split in 3xTF32, ``_descs``), the biases ``(K, F)`` (zeros for None) and
     ``(F',)`` or None."""
     K = len(weights)
     w = torch.stack([wk.detach() for wk in weights]).contiguous()

@@ -1,7 +1,7 @@
 """The layer kernels: one Triton kernel per layer of the mixing stack each way, its
 gate, bias and residual in the epilogue, and how a cohort's planes run through them.
 
-Formula (per edge e, order m, cos and sin alike; :mod:`ecekern.cohorts.layers`)::
+Formula (per edge e, order m, cos and sin alike; ``ecekern.cohorts.layers``)::
 
     forward:   z = W[m] u (+ b at m = 0, cos);  out = u + gate(z)  (or z, ungated)
     backward:  du = W[m]^T d (+ r);  dz = gate'(z) du
@@ -17,7 +17,7 @@ Shapes: planes ``(n_ang, 2, n, width)`` (order, cos/sin, edge, feature) in and o
 any order and part strides, rows contiguous; ``W (n_ang, F_out, F_in)`` contiguous
 (W^T for the backward; ``(2, ...)`` split by :func:`split_tf32` in ``"tf32x3"``).
 
-Bytes (DRAM) and FLOPs: the stack's, in :mod:`ecekern.cohorts.layers`.
+Bytes (DRAM) and FLOPs: the stack's, in ``ecekern.cohorts.layers``.
 
 Precision: ``tl.dot``'s ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``,
 ``"tf32x3"`` (``hi lo + lo hi + hi hi``: W split once a call, the rows split in
@@ -25,7 +25,7 @@ registers, each inner chunk summed from zero and added to the accumulator in fp3
 and ``"bf16"`` (operands rounded to bfloat16, fp32 accumulation).
 
 Status: tested against the reference in float64 (Triton's CPU interpreter) and
-float32 (the H200), through :mod:`ecekern.cohorts.layers`.
+float32 (the H200), through ``ecekern.cohorts.layers``.
 """
 
 from __future__ import annotations
