@@ -81,8 +81,8 @@ __all__ = [
 
 #: The shapes the kernels are written for: features, outputs, orders.
 F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products: TF32, or fp32-accurate ``hi lo + lo hi + hi hi``
-#: (3xTF32).
+#: The precisions of the products, TF32 or fp32-accurate 3xTF32
+#: (``hi lo + lo hi + hi hi``).
 PRECISIONS = ("tf32", "tf32x3")
 #: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
 #: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
