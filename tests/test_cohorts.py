@@ -1168,15 +1168,26 @@ def test_stack_why_not_and_z_layout():
 
     why = fused.why_not_fused
     dev = "cuda"
+    for cap in ((8, 0), (10, 0), (12, 0)):  # Ampere, Blackwell: not the kernels'
+        assert f"sm_{cap[0]}0" in why(192, 96, 3, torch.float32, dev, "tf32", cap)
+    assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32x3", None)
     if fused.gluon is None:  # (Triton's interpreter on, or another release)
-        assert "Gluon" in why(192, 96, 3, torch.float32, dev, "tf32")
+        assert why(192, 96, 3, torch.float32, dev, "tf32") == fused.GLUON_REASON
     else:
         assert why(192, 96, 3, torch.float32, dev, "tf32") is None
+        assert why(192, 96, 3, torch.float32, dev, "tf32", (9, 0)) is None
         assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32")
         assert "float32" in why(192, 96, 3, torch.float64, dev, "tf32")
         assert why(192, 96, 3, torch.float32, dev, "tf32x3") is None
         assert "float32" in why(192, 96, 3, torch.float32, dev, "bf16")
         assert "192" in why(128, 64, 3, torch.float32, dev, "tf32")
+    xp, yp = torch.zeros(3, 2, 5, 192), torch.zeros(3, 2, 5, 96)
+    ws, wo = [torch.zeros(3, 192, 192)], torch.zeros(3, 96, 192)
+    with pytest.raises(ValueError, match="cannot serve.*CUDA"):  # public, so checked
+        fused.fused_forward(xp, ws, [None], wo, None, torch.zeros(1, 3, 2, 5, 192),
+                            yp, False, "tf32x3")  # fmt: skip
+    with pytest.raises(TypeError, match="float32"):
+        layers_mod.split_tf32(torch.zeros(3, 4, 4, dtype=torch.float64))
     z = torch.empty(2, 3, 2, 100, 192)
     assert fused._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
     for bad in (z.transpose(3, 4)[..., :192, :100], torch.empty(2, 3, 2, 40, 192)[:1]):

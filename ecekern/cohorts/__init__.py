@@ -329,9 +329,12 @@ def mixing_stack(
             kernels, :func:`ecekern.cohorts.layers.stack_forward` and
             :func:`~ecekern.cohorts.layers.stack_backward` (with ``recompute``,
             :func:`~ecekern.cohorts.layers.stack_recompute_backward`), at this
-            precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``). A call
-            they cannot serve (device, dtype, widths) falls back, loudly, to
-            ``linear``; a precision not in that list is a ValueError.
+            precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``), or by the
+            fused stack (``"tf32x3-stack"``, ``"tf32-stack"``: sm_90, F = 192,
+            F' = 96, n_ang = 3; elsewhere the layer kernels at that precision).
+            A call they cannot serve (device, dtype, widths) falls back, loudly,
+            to ``linear``; a precision not in ``layers.KERNELS`` is a
+            ValueError.
         sin0_zero: compute on ``x_sin`` with its m = 0 column taken as zero (the
             m = 0 order has no sin part; the edge frame's rows are built so).
             Then ``y_sin[..., 0] = 0`` and the gradient to ``x_sin[..., 0]`` is

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import gl, gluon, triton
+from .._triton import GLUON_REASON, gl, gluon, triton
 from .layer_kernels import split_tf32
 
 if gluon is not None:
@@ -638,12 +638,19 @@ def _grid(n_tiles: int, dev) -> int:
     )
 
 
-def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str, precision: str):
-    """Why the fused kernels cannot serve a stack of this shape, or None."""
-    if gluon is None:
-        return "no validated Gluon in this Triton"
+def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str,
+                  precision: str, capability: tuple | None = None):  # fmt: skip
+    """Why the fused kernels cannot serve a stack of this shape, or None
+    (``capability``: the CUDA device's ``(major, minor)``; the kernels are
+    Hopper's, sm_90)."""
     if device_type != "cuda":
         return "not a CUDA tensor"
+    if capability is not None and tuple(capability)[0] != 9:
+        major, minor = tuple(capability)[:2]
+        return (f"sm_{major}{minor} is not Hopper: the fused stack's wgmma and TMA "
+                "kernels are sm_90's")  # fmt: skip
+    if gluon is None:
+        return GLUON_REASON or "no Gluon in this Triton"
     if dtype != torch.float32 or precision not in PRECISIONS:
         return (f"{dtype} in {precision!r}: the fused stack is float32 in "
                 f"{' or '.join(map(repr, PRECISIONS))}")  # fmt: skip
@@ -731,14 +738,27 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
     )  # fmt: skip
 
 
+def _serves(xp, weight_out, precision: str) -> None:
+    """A ValueError, with the reason, where the kernels cannot serve a call."""
+    n_ang, FO, F = weight_out.shape
+    cap = torch.cuda.get_device_capability(xp.device) if xp.is_cuda else None
+    why = why_not_fused(F, FO, n_ang, xp.dtype, xp.device.type, precision, cap)
+    if why:
+        raise ValueError(f"the fused stack cannot serve this call: {why}")
+
+
 def fused_forward(xp, weights, biases, weight_out, bias_out, z, yp, sin0: bool,
                   precision: str = "tf32"):  # fmt: skip
-    """:func:`forward` with the weights as the model holds them."""
+    """:func:`forward` with the weights as the model holds them (a ValueError
+    where the kernels cannot serve the call, :func:`why_not_fused`)."""
+    _serves(xp, weight_out, precision)
     prep = forward_weights(weights, biases, weight_out, bias_out, precision)
     forward(xp, prep, z, yp, sin0)
 
 
 def fused_backward(gp, weights, weight_out, z, dxp, sin0: bool,
                    precision: str = "tf32"):  # fmt: skip
-    """:func:`backward` with the weights as the model holds them."""
+    """:func:`backward` with the weights as the model holds them (a ValueError
+    where the kernels cannot serve the call, :func:`why_not_fused`)."""
+    _serves(gp, weight_out, precision)
     backward(gp, backward_weights(weights, weight_out, precision), z, dxp, sin0)

@@ -216,7 +216,10 @@ def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
 def split_tf32(w: torch.Tensor) -> torch.Tensor:
     """``(2, *w.shape)``: w rounded to TF32 (nearest, ties to even) and the
     remainder ``w - hi`` (exact in fp32), contiguous; the weights' form in
-    ``"tf32x3"``, split once a call instead of in every program."""
+    ``"tf32x3"``, split once a call instead of in every program (float32 only;
+    finite values: an infinite weight has no TF32 remainder)."""
+    if w.dtype != torch.float32:
+        raise TypeError(f"split_tf32 takes float32 weights, got {w.dtype}")
     b = w.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     b = (b + 0xFFF + ((b >> 13) & 1)) & 0xFFFFE000
     hi = torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)

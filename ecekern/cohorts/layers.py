@@ -42,13 +42,14 @@ of it ``1 - 1/(2 n_ang)`` (five sixths at n_ang = 3). Recomputing adds the gated
 layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (times
 ``1 - 1/(2 n_ang)`` with ``sin0_zero``).
 
-Precision (``KERNELS``; ``"tf32-stack"`` hands the call to the fused stack,
-:mod:`.fused`): ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``, ``"tf32x3"``
-(fp32-accurate: ``hi lo + lo hi + hi hi`` in three TF32 products, W split once a
-call by :func:`split_tf32`, the rows split in registers, each inner chunk summed
-from zero and added to the accumulator in fp32) and ``"bf16"`` (operands rounded
-to bfloat16, fp32 accumulation), for float32 rows. Triton's CPU interpreter
-computes TF32 products in full precision (``"tf32x3"`` then lacks only lo lo).
+Precision (``KERNELS``; ``"tf32x3-stack"`` and ``"tf32-stack"`` hand the call to
+the fused stack, :mod:`.fused`): ``"ieee"`` (strict fp32 FMA, and float64),
+``"tf32"``, ``"tf32x3"`` (fp32-accurate: ``hi lo + lo hi + hi hi`` in three TF32
+products, W split once a call by :func:`split_tf32`, the rows split in registers,
+each inner chunk summed from zero and added to the accumulator in fp32) and
+``"bf16"`` (operands rounded to bfloat16, fp32 accumulation), for float32 rows.
+Triton's CPU interpreter computes TF32 products in full precision (``"tf32x3"``
+then lacks only lo lo).
 
 Gradients: these are the gradients (the backward kernels); no parameter gradients
 (:func:`ecekern.cohorts.mixing_stack` computes those by recomputing cohorts).
@@ -136,8 +137,14 @@ def _why_not(device_type: str, dtype, precision, F: int, FO: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _why_not_stack(device_type: str, dtype, F: int, FO: int, n_ang: int, prec: str):
-    return _fused.why_not_fused(F, FO, n_ang, dtype, device_type, prec)
+def _why_not_stack(device_type: str, cap, dtype, F: int, FO: int, n_ang: int,
+                   prec: str):  # fmt: skip
+    return _fused.why_not_fused(F, FO, n_ang, dtype, device_type, prec, cap)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(dev) -> tuple | None:
+    return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
 
 
 def _resolve(precision: str, dev, dtype, F: int, FO: int, n_ang: int):
@@ -147,7 +154,7 @@ def _resolve(precision: str, dev, dtype, F: int, FO: int, n_ang: int):
     if precision not in STACKS:
         return precision, False
     prec = STACKS[precision]
-    why = _why_not_stack(dev.type, dtype, F, FO, n_ang, prec)
+    why = _why_not_stack(dev.type, _capability(dev), dtype, F, FO, n_ang, prec)
     if why:
         options.fallback(f"cohorts.layers[{precision}]", why, to="the layer kernels")
     return prec, why is None
