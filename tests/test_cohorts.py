@@ -932,6 +932,7 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         (lambda: fwd(xc[:, :16], xs, ws, bs, wo, bo), "x_cos"),
         (lambda: fwd(xc, xs[:4], ws, bs, wo, bo), "x_sin"),
         (lambda: fwd(xc, xs, [ws[0], ws[1][:2]], bs, wo, bo), "weights"),
+        (lambda: fwd(xc, xs, ws, bs, wo[..., :16], bo), "F = 16, from weight_out"),
         (lambda: fwd(xc, xs, ws, bs[:1], wo, bo), "biases"),
         (lambda: fwd(xc, xs, ws, bs, wo, bo[:3]), "bias"),
         (lambda: bwd(z[:, :, :, :4], gc, gs, ws, wo), "z"),

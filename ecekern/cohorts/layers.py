@@ -195,7 +195,12 @@ def _checked(x_cos, weights, weight_out, precision, dtype):
     named = [*((f"weights[{k}]", w) for k, w in enumerate(weights)),
              ("weight_out", weight_out)]  # fmt: skip
     for name, wt in named:
-        _check(name, wt, (n_ang, F if name != "weight_out" else FO, F), x_cos.device)
+        shape = (n_ang, F if name != "weight_out" else FO, F)
+        if isinstance(wt, torch.Tensor) and tuple(wt.shape) != shape:  # F: W_out's
+            wo = tuple(weight_out.shape)
+            raise ValueError(f"{name} is {tuple(wt.shape)}, expected {shape} "
+                             f"(F = {F}, from weight_out {wo})")  # fmt: skip
+        _check(name, wt, shape, x_cos.device)
         if wt.dtype != dtype:
             raise TypeError(f"{name} has dtype {wt.dtype} but the rows have {dtype}")
     return n_ang, FO, F
