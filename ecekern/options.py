@@ -290,7 +290,9 @@ def use(**changes):
 
 
 class FallbackWarning(UserWarning):
-    """A fast path could not serve a call and the reference path ran instead."""
+    """A fast path could not serve a call and another path ran instead: the
+    reference, or the one the message names (the fused stack's fallback is the
+    layer kernels)."""
 
 
 class SlowerKernelWarning(UserWarning):
