@@ -41,11 +41,8 @@ kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way
 FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included; three
 times that on the tensor cores in 3xTF32.
 
-Precision (:data:`PRECISIONS`), float32 only: ``"tf32"`` (TF32 products, K steps of
-32 inputs) and ``"tf32x3"`` (fp32-accurate: ``lo hi + hi lo + hi hi``, W split once
-a call by :func:`~ecekern.cohorts.layer_kernels.split_tf32`, the rows in registers;
-K steps of 16 inputs, so that the ring of both parts fits beside u; the products of
-each 64 inputs (32 of dy) summed from zero and added to the accumulator in fp32).
+Precision: ``"tf32"`` or fp32-accurate ``"tf32x3"``, float32 only (the weights' ring
+and the products: :mod:`~ecekern.cohorts.fused_ring`).
 
 Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
 ``cohort_fused="tf32-stack"`` or ``"tf32x3-stack"``; compiles for sm_90 without a
@@ -58,16 +55,24 @@ from __future__ import annotations
 import torch
 
 from .._triton import GLUON_REASON, gl, gluon, triton
-from .layer_kernels import split_tf32
+from .fused_ring import (
+    BK,
+    F_IN,
+    F_OUT,
+    N_ANG,
+    PRECISIONS,
+    STAGES,
+    _jit,
+    _load_w,
+    _next_w,
+    _retire,
+    _step,
+    backward_weights,
+    forward_weights,
+)
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 __all__ = [
     "backward",
@@ -79,16 +84,8 @@ __all__ = [
     "why_not_fused",
 ]
 
-#: The shapes the kernels are written for: features, outputs, orders.
-F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products, TF32 or fp32-accurate 3xTF32
-#: (``hi lo + lo hi + hi hi``).
-PRECISIONS = ("tf32", "tf32x3")
-#: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
-#: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
-BK = {"tf32": 32, "tf32x3": 16}
-STAGES = 3
-WARPS = 8  # two warpgroups, each half of every product's outputs
+#: Warps a program: two warpgroups, each half of every product's outputs.
+WARPS = 8
 
 
 def _swizzle(bk: int):
@@ -100,12 +97,6 @@ BOX = gl.constexpr(_swizzle(32)) if gluon is not None else None
 BOX16 = gl.constexpr(_swizzle(16)) if gluon is not None else None
 
 
-def _jit(fn=None, **kw):
-    if fn is None:
-        return lambda f: _jit(f, **kw)
-    return gluon.jit(fn, **kw) if gluon is not None else fn
-
-
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
@@ -115,124 +106,11 @@ def _sigmoid(p):
 
 
 @_jit
-def _round_tf32(x):
-    """fp32 ``x`` rounded to the nearest TF32 value (ties to even), kept in fp32:
-    ``x - _round_tf32(x)`` is exact."""
-    u = x.to(gl.uint32, bitcast=True)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.to(gl.float32, bitcast=True)
-
-
-@_jit
 def _rows(e0, E, layout: gl.constexpr):
     """Row r of a tile: part ``r // 32`` (0 cos, 1 sin) of edge ``e0 + r % 32``."""
     r = gl.arange(0, 64, layout=layout)
     edge = e0 + r % 32
     return r // 32, edge, edge < E
-
-
-@_jit
-def _mma(a, ring, b, a0, a1, a2, NB: gl.constexpr):
-    """``a [64, BK]`` (registers) times the NB ``[64 outputs, BK inputs]`` boxes of W
-    from ring box b, into the accumulators (a2 untouched at NB = 2)."""
-    a0 = warpgroup_mma(a, ring.index(b).permute((1, 0)), a0, is_async=True)
-    a1 = warpgroup_mma(a, ring.index(b + 1).permute((1, 0)), a1, is_async=True)
-    if NB == 3:
-        a2 = warpgroup_mma(a, ring.index(b + 2).permute((1, 0)), a2, is_async=True)
-    return a0, a1, a2
-
-
-@_jit
-def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr):
-    """One K step's products, ``a [64, BK]`` times W from ring stage st, issued.
-    In 3xTF32 the stage holds W's TF32 part (boxes 0-2) and remainder (3-5), a is
-    split here into ``hi`` and ``lo``, and the small products go first:
-    ``lo hi + hi lo + hi hi``. Returns the accumulators and the A operands in
-    flight: ``a`` and, in TF32, ``lo`` as it came (a loop-invariant zero)."""
-    if X3:
-        hi = _round_tf32(a)
-        lo = a - hi
-        c0, c1, c2 = _mma(lo, ring, 6 * st, c0, c1, c2, NB)
-        c0, c1, c2 = _mma(hi, ring, 6 * st + 3, c0, c1, c2, NB)
-        c0, c1, c2 = _mma(hi, ring, 6 * st, c0, c1, c2, NB)
-    else:
-        hi = a
-        c0, c1, c2 = _mma(a, ring, 3 * st, c0, c1, c2, NB)
-    return c0, c1, c2, hi, lo
-
-
-@_jit
-def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.constexpr):
-    """Wait until at most the last N K steps' products are in flight (N = 1: the
-    step before is done with its operands ``hi``, ``lo`` and its ring stage; N = 0:
-    every product is done)."""
-    if NB == 3:
-        if X3:
-            c0, c1, c2, hi, lo = warpgroup_mma_wait(9 * N, deps=[c0, c1, c2, hi, lo])
-        else:
-            c0, c1, c2, hi = warpgroup_mma_wait(3 * N, deps=[c0, c1, c2, hi])
-    else:
-        if X3:
-            c0, c1, hi, lo = warpgroup_mma_wait(6 * N, deps=[c0, c1, hi, lo])
-        else:
-            c0, c1, hi = warpgroup_mma_wait(2 * N, deps=[c0, c1, hi])
-    return c0, c1, c2
-
-
-@_jit
-def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
-    """n ``[64, BK]`` boxes of W from ``[row, col]``, 64 rows apart, into ring boxes
-    ``b ..``; in 3xTF32 the remainder's (``lo``) into ``b + 3 ..``."""
-    if X3:
-        mbarrier.expect(bar, 2 * n * desc.block_type.nbytes)
-    else:
-        mbarrier.expect(bar, n * desc.block_type.nbytes)
-    for j in gl.static_range(n):
-        tma.async_copy_global_to_shared(desc, [row + 64 * j, col], bar,
-                                        ring.index(b + j))  # fmt: skip
-        if X3:
-            tma.async_copy_global_to_shared(lo, [row + 64 * j, col], bar,
-                                            ring.index(b + 3 + j))  # fmt: skip
-
-
-@_jit
-def _load_w(c, NA: gl.constexpr, KA: gl.constexpr, KB: gl.constexpr,
-            NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo, wb_lo, ring, ready,
-            g, STG: gl.constexpr, BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
-    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` as
-    ``[64, BK]`` boxes (64 outputs, BK inputs): the first NA chunks from ``wa``
-    (three boxes each, ``KA`` K steps a matrix of 192 rows), then ``wb``'s (``NB``
-    boxes, ``KB`` K steps, a matrix every ``RB`` rows). A matrix is a
-    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
-    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
-    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
-    s = g % STG
-    if X3:
-        b = 6 * s
-    else:
-        b = 3 * s
-    if c < NA:
-        _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, ready.index(s),
-               X3)  # fmt: skip
-    else:
-        _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
-               ready.index(s), X3)  # fmt: skip
-
-
-@_jit
-def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo,
-            wb_lo, ring, ready, g, more, STG: gl.constexpr, BK: gl.constexpr,
-            X3: gl.constexpr):  # fmt: skip
-    """After chunk c (global count g) retired its predecessor: chunk
-    ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
-    its end, the next tile's (if ``more``)."""
-    if c + STG - 1 < NCH:
-        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
-                g + STG - 1, STG, BK, X3)  # fmt: skip
-    elif more:
-        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring,
-                ready, g + STG - 1, STG, BK, X3)  # fmt: skip
 
 
 @_jit
@@ -615,23 +493,6 @@ def _fused_bwd_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-def _desc(w2d: torch.Tensor, bk: int):
-    """A TMA descriptor of boxes ``[64, bk]`` over a contiguous fp32 matrix."""
-    layout = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
-    return TensorDescriptor.from_tensor(w2d, [64, bk], layout)
-
-
-def _descs(w2d: torch.Tensor, precision: str) -> tuple:
-    """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
-    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice (TF32)."""
-    bk = BK[precision]
-    if precision == "tf32x3":
-        hi, lo = split_tf32(w2d)
-        return _desc(hi, bk), _desc(lo, bk)
-    d = _desc(w2d.contiguous(), bk)
-    return d, d
-
-
 def _grid(n_tiles: int, dev) -> int:
     return max(
         1, min(n_tiles, torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -671,40 +532,13 @@ def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
     return sc
 
 
-def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
-    """The forward's weights as the kernel takes them, once a call: descriptors of
-    the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
-    split in 3xTF32, ``_descs``), the biases ``(K, F)`` (zeros for None) and
-    ``(F',)`` or None."""
-    K = len(weights)
-    w = torch.stack([wk.detach() for wk in weights]).contiguous()
-    wo = weight_out.detach().contiguous().view(N_ANG * F_OUT, F_IN)
-    b = None
-    if any(bk is not None for bk in biases):
-        b = torch.stack([w.new_zeros(F_IN) if bk is None else bk.detach()
-                         for bk in biases]).contiguous()  # fmt: skip
-    bo = None if bias_out is None else bias_out.detach().contiguous()
-    w = w.view(K * N_ANG * F_IN, F_IN)
-    return _descs(w, precision), _descs(wo, precision), b, bo, K, precision
-
-
-def backward_weights(weights, weight_out, precision="tf32") -> tuple:
-    """The backward's: descriptors of the gated layers' W^T stacked last layer
-    first (the backward's order), ``(K 3 F, F)``, and of W_out^T ``(3 F, F')``."""
-    K = len(weights)
-    wt = torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
-    wot = weight_out.detach().transpose(1, 2).contiguous()
-    wt = wt.contiguous().view(K * N_ANG * F_IN, F_IN)
-    return _descs(wt, precision), _descs(wot.view(-1, F_OUT), precision), K, precision
-
-
 def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
     """The stack on planes ``xp (3, 2, n, F)`` into planes ``yp (3, 2, n, F')``,
     the pre-activations into ``z (K, 3, 2, n, F)`` (a cohort's rows of a
     contiguous z; its m = 0 sin planes are not written), with the weights of
-    :func:`forward_weights`. With ``sin0`` the m = 0 sin plane of x is not read
-    and that of y not written. Shapes and precision checked by the caller
-    (:func:`why_not_fused`)."""
+    :func:`~ecekern.cohorts.fused_ring.forward_weights`. With ``sin0`` the m = 0
+    sin plane of x is not read and that of y not written. Shapes and precision
+    checked by the caller (:func:`why_not_fused`)."""
     (w, wl), (wo, wol), b, bo, K, precision = prep
     n = xp.shape[2]
     n_tiles = triton.cdiv(n, 32)
@@ -723,8 +557,9 @@ def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
 def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
     """dx into planes ``dxp (3, 2, n, F)`` for the output gradient's planes
     ``gp (3, 2, n, F')`` from the kept ``z (K, 3, 2, n, F)`` (as :func:`forward`
-    wrote it), with the weights of :func:`backward_weights`; with ``sin0`` the
-    m = 0 sin plane of the gradient is not read and that of dx not written."""
+    wrote it), with the weights of
+    :func:`~ecekern.cohorts.fused_ring.backward_weights`; with ``sin0`` the m = 0
+    sin plane of the gradient is not read and that of dx not written."""
     (wt, wtl), (wot, wotl), K, precision = prep
     n = gp.shape[2]
     n_tiles = triton.cdiv(n, 32)

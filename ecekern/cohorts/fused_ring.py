@@ -1,0 +1,216 @@
+"""The fused stack's weights: made ready once a call on the host, streamed from L2
+through a ring of ``[64, BK]`` boxes in shared memory by TMA, and multiplied a K step
+(BK inputs) at a time on the tensor cores (:mod:`ecekern.cohorts.fused` runs it).
+
+Formula: one K step adds ``a[:, k0:k0+BK] @ W[n0:n0+64, k0:k0+BK]^T`` to each of a
+tile's accumulators, in TF32, or in 3xTF32 as ``lo hi + hi lo + hi hi`` with
+``a = hi + lo`` split in registers (``_round_tf32``) and W split once a call
+(:func:`~ecekern.cohorts.layer_kernels.split_tf32`), the small products first.
+
+Shapes: the gated layers' W stacked ``(K 3 F, F)`` (W^T, last layer first, for the
+backward), W_out ``(3 F', F)`` (W_out^T ``(3 F, F')``); a ring stage holds three
+boxes (TF32) or three of each part (3xTF32), ``3 x 64 x BK x 4`` bytes a part.
+
+Bytes: every program reads all the weights once a tile each way, from L2 (twice in
+3xTF32); 72 KiB of shared memory at ``STAGES = 3`` in both precisions.
+
+Status: used by :mod:`ecekern.cohorts.fused` (sm_90); compiled for sm_90 without a
+GPU in the tests, run against fp64 on the H200 through the fused stack's GPU tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import gl, gluon
+from .layer_kernels import split_tf32
+
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["BK", "PRECISIONS", "STAGES", "backward_weights", "forward_weights"]
+
+#: The shapes the kernels are written for: features, outputs, orders.
+F_IN, F_OUT, N_ANG = 192, 96, 3
+#: The precisions of the products, TF32 or fp32-accurate 3xTF32
+#: (``hi lo + lo hi + hi hi``).
+PRECISIONS = ("tf32", "tf32x3")
+#: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
+#: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
+BK = {"tf32": 32, "tf32x3": 16}
+STAGES = 3
+
+
+def _jit(fn=None, **kw):
+    if fn is None:
+        return lambda f: _jit(f, **kw)
+    return gluon.jit(fn, **kw) if gluon is not None else fn
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+@_jit
+def _round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (ties to even), kept in fp32:
+    ``x - _round_tf32(x)`` is exact."""
+    u = x.to(gl.uint32, bitcast=True)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.to(gl.float32, bitcast=True)
+
+
+@_jit
+def _mma(a, ring, b, a0, a1, a2, NB: gl.constexpr):
+    """``a [64, BK]`` (registers) times the NB ``[64 outputs, BK inputs]`` boxes of W
+    from ring box b, into the accumulators (a2 untouched at NB = 2)."""
+    a0 = warpgroup_mma(a, ring.index(b).permute((1, 0)), a0, is_async=True)
+    a1 = warpgroup_mma(a, ring.index(b + 1).permute((1, 0)), a1, is_async=True)
+    if NB == 3:
+        a2 = warpgroup_mma(a, ring.index(b + 2).permute((1, 0)), a2, is_async=True)
+    return a0, a1, a2
+
+
+@_jit
+def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr):
+    """One K step's products, ``a [64, BK]`` times W from ring stage st, issued.
+    In 3xTF32 the stage holds W's TF32 part (boxes 0-2) and remainder (3-5), a is
+    split here into ``hi`` and ``lo``, and the small products go first:
+    ``lo hi + hi lo + hi hi``. Returns the accumulators and the A operands in
+    flight: ``a`` and, in TF32, ``lo`` as it came (a loop-invariant zero)."""
+    if X3:
+        hi = _round_tf32(a)
+        lo = a - hi
+        c0, c1, c2 = _mma(lo, ring, 6 * st, c0, c1, c2, NB)
+        c0, c1, c2 = _mma(hi, ring, 6 * st + 3, c0, c1, c2, NB)
+        c0, c1, c2 = _mma(hi, ring, 6 * st, c0, c1, c2, NB)
+    else:
+        hi = a
+        c0, c1, c2 = _mma(a, ring, 3 * st, c0, c1, c2, NB)
+    return c0, c1, c2, hi, lo
+
+
+@_jit
+def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.constexpr):
+    """Wait until at most the last N K steps' products are in flight (N = 1: the
+    step before is done with its operands ``hi``, ``lo`` and its ring stage; N = 0:
+    every product is done)."""
+    if NB == 3:
+        if X3:
+            c0, c1, c2, hi, lo = warpgroup_mma_wait(9 * N, deps=[c0, c1, c2, hi, lo])
+        else:
+            c0, c1, c2, hi = warpgroup_mma_wait(3 * N, deps=[c0, c1, c2, hi])
+    else:
+        if X3:
+            c0, c1, hi, lo = warpgroup_mma_wait(6 * N, deps=[c0, c1, hi, lo])
+        else:
+            c0, c1, hi = warpgroup_mma_wait(2 * N, deps=[c0, c1, hi])
+    return c0, c1, c2
+
+
+@_jit
+def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
+    """n ``[64, BK]`` boxes of W from ``[row, col]``, 64 rows apart, into ring boxes
+    ``b ..``; in 3xTF32 the remainder's (``lo``) into ``b + 3 ..``."""
+    if X3:
+        mbarrier.expect(bar, 2 * n * desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, n * desc.block_type.nbytes)
+    for j in gl.static_range(n):
+        tma.async_copy_global_to_shared(desc, [row + 64 * j, col], bar,
+                                        ring.index(b + j))  # fmt: skip
+        if X3:
+            tma.async_copy_global_to_shared(lo, [row + 64 * j, col], bar,
+                                            ring.index(b + 3 + j))  # fmt: skip
+
+
+@_jit
+def _load_w(c, NA: gl.constexpr, KA: gl.constexpr, KB: gl.constexpr,
+            NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo, wb_lo, ring, ready,
+            g, STG: gl.constexpr, BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` as
+    ``[64, BK]`` boxes (64 outputs, BK inputs): the first NA chunks from ``wa``
+    (three boxes each, ``KA`` K steps a matrix of 192 rows), then ``wb``'s (``NB``
+    boxes, ``KB`` K steps, a matrix every ``RB`` rows). A matrix is a
+    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
+    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
+    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+    s = g % STG
+    if X3:
+        b = 6 * s
+    else:
+        b = 3 * s
+    if c < NA:
+        _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, ready.index(s),
+               X3)  # fmt: skip
+    else:
+        _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
+               ready.index(s), X3)  # fmt: skip
+
+
+@_jit
+def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
+            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo,
+            wb_lo, ring, ready, g, more, STG: gl.constexpr, BK: gl.constexpr,
+            X3: gl.constexpr):  # fmt: skip
+    """After chunk c (global count g) retired its predecessor: chunk
+    ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
+    its end, the next tile's (if ``more``)."""
+    if c + STG - 1 < NCH:
+        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
+                g + STG - 1, STG, BK, X3)  # fmt: skip
+    elif more:
+        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring,
+                ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# host: the weights as the ring streams them
+# --------------------------------------------------------------------------------------
+def _desc(w2d: torch.Tensor, bk: int):
+    """A TMA descriptor of boxes ``[64, bk]`` over a contiguous fp32 matrix."""
+    layout = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
+    return TensorDescriptor.from_tensor(w2d, [64, bk], layout)
+
+
+def _descs(w2d: torch.Tensor, precision: str) -> tuple:
+    """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
+    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice (TF32)."""
+    bk = BK[precision]
+    if precision == "tf32x3":
+        hi, lo = split_tf32(w2d)
+        return _desc(hi, bk), _desc(lo, bk)
+    d = _desc(w2d.contiguous(), bk)
+    return d, d
+
+
+def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
+    """The forward's weights as the kernel takes them, once a call: descriptors of
+    the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
+    split in 3xTF32, ``_descs``), the biases ``(K, F)`` (zeros for None) and
+    ``(F',)`` or None."""
+    K = len(weights)
+    w = torch.stack([wk.detach() for wk in weights]).contiguous()
+    wo = weight_out.detach().contiguous().view(N_ANG * F_OUT, F_IN)
+    b = None
+    if any(bk is not None for bk in biases):
+        b = torch.stack([w.new_zeros(F_IN) if bk is None else bk.detach()
+                         for bk in biases]).contiguous()  # fmt: skip
+    bo = None if bias_out is None else bias_out.detach().contiguous()
+    w = w.view(K * N_ANG * F_IN, F_IN)
+    return _descs(w, precision), _descs(wo, precision), b, bo, K, precision
+
+
+def backward_weights(weights, weight_out, precision="tf32") -> tuple:
+    """The backward's: descriptors of the gated layers' W^T stacked last layer
+    first (the backward's order), ``(K 3 F, F)``, and of W_out^T ``(3 F, F')``."""
+    K = len(weights)
+    wt = torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
+    wot = weight_out.detach().transpose(1, 2).contiguous()
+    wt = wt.contiguous().view(K * N_ANG * F_IN, F_IN)
+    return _descs(wt, precision), _descs(wot.view(-1, F_OUT), precision), K, precision
