@@ -195,6 +195,19 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
         )
 
 
+def _stack_ranges(x, gy, ws, bs, wo, bo, precisions, **kw):
+    """For each precision: the stack's forward, then its force backward from the z
+    it kept, each once in an NVTX range after a warm-up."""
+    from ecekern.cohorts import layers
+
+    for p in precisions:
+        z = layers.stack_forward(*x, ws, bs, wo, bo, p, **kw)[2]
+        _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p, **kw),
+                  warmup=1)  # fmt: skip
+        _in_range(lambda p=p, z=z: layers.stack_backward(z, *gy, ws, wo, p, **kw),
+                  warmup=1)  # fmt: skip
+
+
 def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     """Chapter 6's layer kernels (K = 2) on one cohort of the library's size, fp32:
     the forward, then the force backward, at each precision, the library's tiles,
@@ -210,13 +223,7 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     gy = [r(E, FO, n_ang) for _ in range(2)]
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    kw = {"sin0_zero": True}
-    for p in layers.PRECISIONS:
-        z = layers.stack_forward(*x, ws, bs, wo, bo, p, **kw)[2]
-        _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p, **kw),
-                  warmup=1)  # fmt: skip
-        _in_range(lambda p=p, z=z: layers.stack_backward(z, *gy, ws, wo, p, **kw),
-                  warmup=1)  # fmt: skip
+    _stack_ranges(x, gy, ws, bs, wo, bo, layers.PRECISIONS, sin0_zero=True)
 
 
 def cohorts_stack(E: int = 65_536):
@@ -239,13 +246,8 @@ def cohorts_stack(E: int = 65_536):
     Q.copy_(r(*Q.shape))
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    kw = {"sin0_zero": True, "cohort_edges": E}
-    for s in layers.STACKS:
-        z = layers.stack_forward(*x, ws, bs, wo, bo, s, **kw)[2]
-        _in_range(lambda s=s: layers.stack_forward(*x, ws, bs, wo, bo, s, **kw),
-                  warmup=1)  # fmt: skip
-        _in_range(lambda s=s, z=z: layers.stack_backward(z, *gy, ws, wo, s, **kw),
-                  warmup=1)  # fmt: skip
+    _stack_ranges(x, gy, ws, bs, wo, bo, layers.STACKS, sin0_zero=True,
+                  cohort_edges=E)  # fmt: skip
 
 
 TARGETS = {

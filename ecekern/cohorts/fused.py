@@ -62,6 +62,8 @@ from .fused_ring import (
     N_ANG,
     PRECISIONS,
     STAGES,
+    _chunk,
+    _fold,
     _jit,
     _load_w,
     _next_w,
@@ -209,10 +211,7 @@ def _fused_fwd_kernel(
                 hi = gl.zeros([64, BK], gl.float32, layout=a_l)
                 lo = hi
                 for jb in range(3):  # a box of u: 64 inputs, KS K steps
-                    if X3:
-                        c0, c1, c2 = zero, zero, zero  # a box's sum starts at zero
-                    else:
-                        c0, c1, c2 = a0, a1, a2
+                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
                     for kh in gl.static_range(KS):
                         c = (k * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
@@ -230,16 +229,10 @@ def _fused_fwd_kernel(
                         _next_w(c, NCH, NA, KA, KA, 2, 96, w_desc, wo_desc,
                                 wl_desc, wol_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
-                    if X3:  # the box's sum joins the accumulator in an fp32 add
-                        if k < K:
-                            c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
-                            a2 += c2
-                        else:
-                            c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 2, X3, 0)
-                        a0 += c0
-                        a1 += c1
+                    if k < K:
+                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
                     else:
-                        a0, a1, a2 = c0, c1, c2
+                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 2, X3)
                 if k < K:
                     a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
                     _fwd_epilogue(
@@ -409,10 +402,7 @@ def _fused_bwd_kernel(
             hi = gl.zeros([64, BK], gl.float32, layout=a_l)
             lo = hi
             for kc in range(3):  # 32 outputs of dy, KH K steps
-                if X3:
-                    c0, c1, c2 = zero, zero, zero
-                else:
-                    c0, c1, c2 = a0, a1, a2
+                c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
                 for kh in gl.static_range(KH):
                     c = m * KO + KH * kc + kh
                     g = g0 + c
@@ -424,13 +414,7 @@ def _fused_bwd_kernel(
                     c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
                     _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc,
                             wtl_desc, ring, ready, g, more, STG, BK, X3)  # fmt: skip
-                if X3:
-                    c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
-                    a0 += c0
-                    a1 += c1
-                    a2 += c2
-                else:
-                    a0, a1, a2 = c0, c1, c2
+                a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
             a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
             _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
                           acc_l)  # fmt: skip
@@ -451,10 +435,7 @@ def _fused_bwd_kernel(
                 lo = hi
                 n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, BK, t_l)
                 for jb in range(3):
-                    if X3:
-                        c0, c1, c2 = zero, zero, zero
-                    else:
-                        c0, c1, c2 = a0, a1, a2
+                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
                     for kh in gl.static_range(KS):
                         c = NO + (kk * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
@@ -472,13 +453,7 @@ def _fused_bwd_kernel(
                         _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc,
                                 wotl_desc, wtl_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
-                    if X3:
-                        c0, c1, c2 = _retire(c0, c1, c2, hi, lo, 3, X3, 0)
-                        a0 += c0
-                        a1 += c1
-                        a2 += c2
-                    else:
-                        a0, a1, a2 = c0, c1, c2
+                    a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
                 a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
                 gl.thread_barrier()  # every K step read du of this order
                 _bwd_epilogue(a0, 0, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,

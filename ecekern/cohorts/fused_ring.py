@@ -114,6 +114,33 @@ def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.conste
 
 
 @_jit
+def _chunk(a0, a1, a2, zero, X3: gl.constexpr):
+    """The accumulators a chunk of inputs starts from: zero in 3xTF32 (its sums
+    join a0 .. in fp32 adds, :func:`_fold`), a0 .. themselves in TF32."""
+    if X3:
+        c0, c1, c2 = zero, zero, zero
+    else:
+        c0, c1, c2 = a0, a1, a2
+    return c0, c1, c2
+
+
+@_jit
+def _fold(a0, a1, a2, c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr):
+    """A chunk's sums into the accumulators: in 3xTF32 once its products are done
+    (``hi``, ``lo``: the last step's operands), by fp32 adds; in TF32 the chunk's
+    accumulators are a0 .. already."""
+    if X3:
+        c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NB, X3, 0)
+        a0 += c0
+        a1 += c1
+        if NB == 3:
+            a2 += c2
+    else:
+        a0, a1, a2 = c0, c1, c2
+    return a0, a1, a2
+
+
+@_jit
 def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
     """n ``[64, BK]`` boxes of W from ``[row, col]``, 64 rows apart, into ring boxes
     ``b ..``; in 3xTF32 the remainder's (``lo``) into ``b + 3 ..``."""
