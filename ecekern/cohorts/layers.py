@@ -276,7 +276,9 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     else:
         ws = _weights((*weights, weight_out), precision)
         bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
-    u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(1 if stack else 2)]
+    # the layer kernels' two u buffers; the fused stack's one for x's rows copied in
+    n_u = 2 if not stack else int(xp is None)
+    u = [x_cos.new_empty((n_ang, 2, c, F)) for _ in range(n_u)] or [None]
     yp = x_cos.new_empty((n_ang, 2, c, FO)) if xp is None else None
     for a, b in spans:
         n = b - a
