@@ -10,7 +10,9 @@ never from each other, so that each chapter stands on its own over one shim:
   kernels were decorated); CPU tensors can then run the Triton kernels;
 * ``gluon``, ``gl``: Triton's Gluon dialect where this Triton is a version the Gluon
   kernels were validated on (``GLUON_VALIDATED``), else None, with ``GLUON_REASON``;
-* :func:`why_not_triton`: why a Triton kernel cannot run on a device, or None.
+* :func:`why_not_triton`: why a Triton kernel cannot run on a device, or None;
+* ``fma_dot``: ``acc + a @ b`` by IEEE fp32 FMAs in Gluon layouts (None without
+  Gluon), for the strict-fp32 kernels of chapters 2 and 6.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "triton",
     "split_scale",
     "why_not_triton",
+    "fma_dot",
 ]
 
 #: Triton kernels run on CPU tensors only when decorated under the interpreter.
@@ -75,6 +78,21 @@ if AVAILABLE:
             GLUON_REASON = None
         except ImportError:
             GLUON_REASON = f"Triton {triton.__version__} has no Gluon"
+
+fma_dot = None
+if gluon is not None:
+    from triton.experimental.gluon.language._core import tensor as _gl_tensor
+    from triton.language.core import builtin
+
+    @builtin
+    def fma_dot(a, b, acc, _semantic=None):
+        """``acc + a @ b`` by IEEE fp32 FMAs in the layouts the caller chose (a and b
+        ``DotOperandLayout`` of acc's ``BlockedLayout``). ``gl.dot_fma`` without the
+        K >= 16 floor of ``tl.dot``'s shape check: a K of 4 keeps each rank-4 update's
+        operands to a few registers."""
+        prec = _semantic._str_to_dot_input_precision("ieee")
+        h = _semantic.builder.create_dot(a.handle, b.handle, acc.handle, prec, 0)
+        return _gl_tensor(h, acc.type)
 
 
 def split_scale(scale: float) -> tuple[float, float]:

@@ -50,8 +50,10 @@ COHORT_FUSED = (
     "tf32",
     "tf32x3",
     "bf16",
-    "tf32-stack",
+    "ieee-stack",
     "tf32x3-stack",
+    "tf32-stack",
+    "bf16-stack",
 )
 
 
@@ -91,10 +93,11 @@ class Options:
             ``cohort_recompute``,
             :func:`~ecekern.cohorts.layers.stack_recompute_backward`) at a
             precision: ``"ieee"`` (strict fp32), ``"tf32x3"`` (fp32-accurate tensor
-            cores), ``"tf32"`` or ``"bf16"``, or ``"tf32x3-stack"``,
-            ``"tf32-stack"``: the whole stack in one kernel per tile of edges
-            (:mod:`ecekern.cohorts.fused`, 3xTF32 or TF32; where it cannot serve,
-            the layer kernels at that precision, with a warning); ``"off"`` runs the
+            cores), ``"tf32"`` or ``"bf16"``, or ``"ieee-stack"``,
+            ``"tf32x3-stack"``, ``"tf32-stack"``, ``"bf16-stack"``: the whole stack
+            in one kernel per tile of edges (:mod:`ecekern.cohorts.fused`, at that
+            precision; where it cannot serve, the layer kernels at that precision,
+            with a warning); ``"off"`` runs the
             EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
             float32 on CUDA (chapter 6: force errors within 1.1x of strict fp32's,
             the step 1.9x faster) and ``"off"`` otherwise.

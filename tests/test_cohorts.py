@@ -846,14 +846,16 @@ from ecekern._triton import gluon
 if gluon is None:
     sys.exit(77)
 from ecekern.cohorts import fused
+assert fused.PRECISIONS == ("ieee", "tf32", "tf32x3", "bf16")
 for prec in fused.PRECISIONS:
     bk = fused.BK[prec]
-    box = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
-    desc = f"tensordesc<fp32[64, {bk}],{box!r}>"
+    dt, name = (gl.bfloat16, "bf16") if prec == "bf16" else (gl.float32, "fp32")
+    box = gl.NVMMASharedLayout.get_default_for([64, bk], dt)
+    desc = f"tensordesc<{name}[64, {bk}],{box!r}>"
     for kernel, c in ((fused._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True)),
                       (fused._fused_bwd_kernel, dict(K=2))):
-        c |= dict(SIN0=True, X3=prec == "tf32x3", BK=bk, STG=fused.STAGES,
-                  num_warps=fused.WARPS)
+        c |= dict(SIN0=True, X3=prec == "tf32x3", FMA=prec == "ieee", BK=bk,
+                  STG=fused.STAGES, num_warps=fused.WARPS)
         names = kernel.arg_names
         sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
                else "*fp32" if n.endswith("ptr") else "i32" for n in names}
@@ -861,8 +863,14 @@ for prec in fused.PRECISIONS:
                              constexprs={(names.index(k),): v for k, v in c.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=fused.WARPS))
-        n = k.asm["ptx"].count("wgmma.mma_async")
-        assert n >= (150 if prec == "tf32x3" else 50), (prec, kernel, n)
+        ptx = k.asm["ptx"]
+        n = ptx.count("wgmma.mma_async")
+        want = {"ieee": 0, "tf32": 50, "tf32x3": 150, "bf16": 25}[prec]
+        assert n >= want and (n == 0) == (prec == "ieee"), (prec, kernel, n)
+        if prec == "ieee":  # strict fp32: FMAs, and no tensor-core products
+            assert ptx.count("fma.rn.f32") >= 6000, (kernel, ptx.count("fma.rn.f32"))
+        elif prec == "bf16":
+            assert "bf16.bf16" in ptx, kernel
         assert k.metadata.shared <= 227 * 1024, (prec, kernel, k.metadata.shared)
 """
 
@@ -907,8 +915,9 @@ def test_layer_kernels_compile_for_hopper():
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 def test_stack_kernels_compile_for_hopper():
     """The fused stack's Gluon kernels (no interpreter runs them) compile for
-    sm_90 here, without a GPU, to ``wgmma`` within the 227 KB of shared memory a
-    program may have."""
+    sm_90 here, without a GPU, at every precision: to ``wgmma`` on the tensor cores
+    (bf16 operands in bf16), to FMAs alone in strict fp32, within the 227 KB of
+    shared memory a program may have."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run(
         [sys.executable, "-c", _COMPILE_STACK], env=env, capture_output=True,
@@ -1028,7 +1037,8 @@ def test_fused_cannot_serve_falls_back_loudly():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "precision", ["ieee", "tf32x3", "tf32", "bf16", "tf32-stack", "tf32x3-stack"]
+    "precision",
+    ["ieee", "tf32x3", "tf32", "bf16", *layers_mod.STACKS],
 )
 def test_gpu_layers_three_way(precision):
     """The book's widths (F = 192, F' = 96, n_ang = 3, K = 2) on CUDA, in cohorts of
@@ -1083,7 +1093,7 @@ def _planes_rows(E, W, dev, seed, nan_sin0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("E", [1, 31, 33, 8193])
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
-@pytest.mark.parametrize("stack", ["tf32-stack", "tf32x3-stack"])
+@pytest.mark.parametrize("stack", [*layers_mod.STACKS])
 def test_gpu_stack_on_planes_pairs(E, recompute, stack):
     """The model's call of the fused stack: rows that are a planes pair, sin0_zero
     (the m = 0 sin plane NaN: never read), one cohort and a tail tile; forward and
@@ -1141,7 +1151,7 @@ def test_gpu_stack_on_planes_pairs(E, recompute, stack):
 
 
 @needs_triton
-@pytest.mark.parametrize("stack", ["tf32-stack", "tf32x3-stack"])
+@pytest.mark.parametrize("stack", [*layers_mod.STACKS])
 def test_stack_falls_back_to_the_layer_kernels_loudly(stack):
     """A fused stack where its kernels cannot serve (here: not CUDA, or widths
     other than the book's) runs the layer kernels at its products' precision, with
@@ -1179,8 +1189,9 @@ def test_stack_why_not_and_z_layout():
         assert why(192, 96, 3, torch.float32, dev, "tf32", (9, 0)) is None
         assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32")
         assert "float32" in why(192, 96, 3, torch.float64, dev, "tf32")
-        assert why(192, 96, 3, torch.float32, dev, "tf32x3") is None
-        assert "float32" in why(192, 96, 3, torch.float32, dev, "bf16")
+        for prec in ("ieee", "tf32x3", "bf16"):
+            assert why(192, 96, 3, torch.float32, dev, prec) is None
+        assert "float32" in why(192, 96, 3, torch.float32, dev, "fp8")
         assert "192" in why(128, 64, 3, torch.float32, dev, "tf32")
     xp, yp = torch.zeros(3, 2, 5, 192), torch.zeros(3, 2, 5, 96)
     ws, wo = [torch.zeros(3, 192, 192)], torch.zeros(3, 96, 192)

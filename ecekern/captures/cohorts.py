@@ -22,8 +22,9 @@ every earlier chapter's fast path on (the library's defaults):
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
   energy drift per atom;
-* ``ncu`` -> ncu_layers.csv: Nsight Compute on the layer kernels, forward and force
-  backward, at each precision (one cohort of 65536 edges).
+* ``ncu`` -> ncu_layers.csv, ncu_stack.csv: Nsight Compute on the layer kernels and
+  on the fused stacks, forward and force backward, at each precision (one cohort of
+  65536 edges); ``ncu=layers`` or ``ncu=stack`` runs one of the two.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ COHORTS = (
     ("recompute", 131072, True),
 )
 #: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
-#: per tile of edges, ``"tf32-stack"``, ``"tf32x3-stack"``): (label, precision); they
-#: skip the m = 0 sin part as the model does (``sin0_zero``).
+#: per tile of edges, ``"ieee-stack"``, ``"tf32x3-stack"``, ...): (label,
+#: precision); they skip the m = 0 sin part as the model does (``sin0_zero``).
 FUSED = (
     ("layers ieee", "ieee"),
     ("layers tf32x3", "tf32x3"),
@@ -59,6 +60,8 @@ FUSED = (
     ("layers bf16", "bf16"),
     ("stack tf32", "tf32-stack"),
     ("stack tf32x3", "tf32x3-stack"),
+    ("stack ieee", "ieee-stack"),
+    ("stack bf16", "bf16-stack"),
 )
 #: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
 FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)
@@ -83,20 +86,28 @@ def capture(
         ("steps", lambda: _steps(out, reps)),
         ("memory", lambda: _memory(out, boxes_[:2] if quick else boxes_)),
         ("precision", lambda: _precision(out)),
-        ("ncu", lambda: _ncu(out) if ncu else "ncu not asked for"),
+        ("ncu", lambda: _ncu(out, todo.get("ncu")) if ncu else "ncu not asked for"),
     )
     gpu_only = ("steps", "memory", "precision", "ncu")
     run_parts(parts_, todo, info, dev, gpu_only=gpu_only)
     return info
 
 
-def _ncu(out: Path) -> str:
+def _ncu(out: Path, which: str | None = None) -> str:
     """Nsight Compute on the layer kernels, forward and force backward, at each
     precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
-    stack (:func:`~ecekern.captures.targets.cohorts_stack`)."""
-    a = run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
-    b = run_ncu("cohorts_stack", out / "ncu_stack.csv", ["-k", "regex:_fused"])
-    return f"layers: {a}; stack: {b}"
+    stacks (:func:`~ecekern.captures.targets.cohorts_stack`); ``which``: ``"layers"``
+    or ``"stack"`` for one of them."""
+    if which not in (None, "", "layers", "stack"):
+        raise ValueError(f"ncu={which!r}: 'layers' or 'stack'")
+    done = []
+    if which in (None, "", "layers"):
+        a = run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
+        done.append(f"layers: {a}")
+    if which in (None, "", "stack"):
+        b = run_ncu("cohorts_stack", out / "ncu_stack.csv", ["-k", "regex:_fused"])
+        done.append(f"stack: {b}")
+    return "; ".join(done)
 
 
 def _planes_copy(rows):

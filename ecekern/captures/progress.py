@@ -13,10 +13,10 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
 5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
    zonal="fused")``, replayed;
 6. ``+ ch6 cohorts``: the same with ``cohorts=True, cohort_fused="off"`` (the
-   mixing stack's backward in cohorts, strict fp32 linears), replayed; then
-   ``+ ch6 3xTF32 stack``, ``+ ch6 TF32 stack``, ``+ ch6 bf16 stack``: the stack by
-   the layer kernels at that precision, and ``+ ch6 fused 3xTF32 stack``,
-   ``+ ch6 fused TF32 stack``: by the fused stack (:data:`CH6_STACKS`), replayed;
+   mixing stack's backward in cohorts, strict fp32 linears), replayed; then, for
+   each precision, the stack by the layer kernels (``+ ch6 3xTF32 stack``, ..) and
+   by the fused stack (``+ ch6 fused strict fp32 stack``,
+   ``+ ch6 fused 3xTF32 stack``, ..), replayed (:data:`CH6_STACKS`);
 7. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
    ``options.current()`` was);
 8. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
@@ -61,11 +61,13 @@ CHAPTER_SWITCHES = (
 )  # fmt: skip
 #: Chapter 6's stack by the layer kernels, each precision on top of every chapter.
 CH6_STACKS = (
+    ("+ ch6 fused strict fp32 stack", "ieee-stack"),
     ("+ ch6 3xTF32 stack", "tf32x3"),
-    ("+ ch6 TF32 stack", "tf32"),
     ("+ ch6 fused 3xTF32 stack", "tf32x3-stack"),
+    ("+ ch6 TF32 stack", "tf32"),
     ("+ ch6 fused TF32 stack", "tf32-stack"),
     ("+ ch6 bf16 stack", "bf16"),
+    ("+ ch6 fused bf16 stack", "bf16-stack"),
 )
 
 

@@ -228,9 +228,9 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
 
 def cohorts_stack(E: int = 65_536):
     """Chapter 6's fused stacks (:data:`ecekern.cohorts.layers.STACKS`,
-    :mod:`ecekern.cohorts.fused`), TF32 then 3xTF32, on one cohort of the library's
-    size, fp32, K = 2, the book's widths: the forward, then the force backward, on
-    planes pairs as the model hands them over."""
+    :mod:`ecekern.cohorts.fused`) in its order (strict fp32, 3xTF32, TF32, bf16), on
+    one cohort of the library's size, fp32, K = 2, the book's widths: the forward,
+    then the force backward, on planes pairs as the model hands them over."""
     from ecekern._planes import planes_pair
     from ecekern.cohorts import layers
 

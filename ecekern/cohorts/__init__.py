@@ -330,8 +330,9 @@ def mixing_stack(
             :func:`~ecekern.cohorts.layers.stack_backward` (with ``recompute``,
             :func:`~ecekern.cohorts.layers.stack_recompute_backward`), at this
             precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``), or by the
-            fused stack (``"tf32x3-stack"``, ``"tf32-stack"``: sm_90, F = 192,
-            F' = 96, n_ang = 3; elsewhere the layer kernels at that precision).
+            fused stack (``"ieee-stack"``, ``"tf32x3-stack"``, ``"tf32-stack"``,
+            ``"bf16-stack"``: sm_90, F = 192, F' = 96, n_ang = 3; elsewhere the
+            layer kernels at that precision).
             A call they cannot serve (device, dtype, widths) falls back, loudly,
             to ``linear``; a precision not in ``layers.KERNELS`` is a
             ValueError.

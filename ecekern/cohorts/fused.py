@@ -1,5 +1,6 @@
 """The whole mixing stack in one kernel per tile of edges, the tile on chip: forward,
-and the force backward, on the tensor cores (Gluon, Hopper ``wgmma``).
+and the force backward, on the tensor cores (Gluon, Hopper ``wgmma``) or, in strict
+fp32, on the FMA units.
 
 Formula (``ecekern.cohorts.layers``; per edge e, order m, cos and sin alike)::
 
@@ -41,13 +42,16 @@ kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way
 FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included; three
 times that on the tensor cores in 3xTF32.
 
-Precision: ``"tf32"`` or fp32-accurate ``"tf32x3"``, float32 only (the weights' ring
-and the products: :mod:`~ecekern.cohorts.fused_ring`).
+Precision (the weights' ring and the products: :mod:`~ecekern.cohorts.fused_ring`),
+float32 rows only: ``"ieee"`` (strict fp32 FMAs, A read from shared memory four
+inputs at a time; the backward's sums, which start at du, in chunks of 64 inputs
+from zero, as 3xTF32's), ``"tf32"``, fp32-accurate ``"tf32x3"``, or ``"bf16"``
+(rows rounded to bf16 in registers and W once a call; fp32 sums).
 
 Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
-``cohort_fused="tf32-stack"`` or ``"tf32x3-stack"``; compiles for sm_90 without a
-GPU (tests); its GPU tests compare it with the fp64 reference by the three-way rule
-at its precision.
+``cohort_fused="ieee-stack"``, ``"tf32x3-stack"``, ``"tf32-stack"`` or
+``"bf16-stack"``; compiles for sm_90 without a GPU (tests); its GPU tests compare
+it with the fp64 reference by the three-way rule at its precision.
 """
 
 from __future__ import annotations
@@ -62,11 +66,14 @@ from .fused_ring import (
     N_ANG,
     PRECISIONS,
     STAGES,
+    _acc_layout,
     _chunk,
     _fold,
     _jit,
     _load_w,
     _next_w,
+    _operand,
+    _operand_layout,
     _retire,
     _step,
     backward_weights,
@@ -162,7 +169,8 @@ def _fused_fwd_kernel(
     x_ptr, sx_m, sx_c, w_desc, wo_desc, wl_desc, wol_desc, b_ptr, bo_ptr, z_ptr, sz,
     y_ptr, sy_m, sy_c, E, n_tiles,
     K: gl.constexpr, HAS_B: gl.constexpr, HAS_BO: gl.constexpr, SIN0: gl.constexpr,
-    X3: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
+    X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
@@ -170,14 +178,14 @@ def _fused_fwd_kernel(
     KA: gl.constexpr = 192 // BK  # K steps a matrix
     NA: gl.constexpr = K * 3 * KA  # the gated layers' W chunks, [192, BK] each
     NCH: gl.constexpr = NA + 3 * KA  # and W_out's, [128, BK] (96 rows and past)
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
-    )
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
+    BF16: gl.constexpr = w_desc.dtype == gl.bfloat16
+    acc_l: gl.constexpr = _acc_layout(FMA, BF16, num_warps)
+    a_l: gl.constexpr = _operand_layout(acc_l, 0, FMA, BF16)
+    b_l: gl.constexpr = _operand_layout(acc_l, 1, FMA, BF16)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
     ring = gl.allocate_shared_memory(
-        gl.float32, [6 * STG if X3 else 3 * STG, 64, BK], w_desc.layout
+        w_desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], w_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STG):
@@ -208,33 +216,37 @@ def _fused_fwd_kernel(
         for k in gl.static_range(K + 1):
             for m in range(3):
                 a0, a1, a2 = zero, zero, zero
-                hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+                hi = gl.zeros([64, BK], w_desc.dtype, layout=a_l)
                 lo = hi
                 for jb in range(3):  # a box of u: 64 inputs, KS K steps
-                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
+                    # strict fp32 sums from zero in one chunk, as torch's
+                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
                     for kh in gl.static_range(KS):
                         c = (k * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
                         p_hi, p_lo = hi, lo
-                        a = u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1).load(a_l)
+                        a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1),
+                                     a_l, FMA)  # fmt: skip
                         if k < K:
                             c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                       3, X3)  # fmt: skip
-                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
+                                                       3, X3, FMA, BK, a_l,
+                                                       b_l)  # fmt: skip
+                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
                         else:
                             c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                       2, X3)  # fmt: skip
-                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 2, X3, 1)
+                                                       2, X3, FMA, BK, a_l,
+                                                       b_l)  # fmt: skip
+                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 2, X3, 1, FMA)
                         _next_w(c, NCH, NA, KA, KA, 2, 96, w_desc, wo_desc,
                                 wl_desc, wol_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
                     if k < K:
-                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
+                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, False)
                     else:
-                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 2, X3)
+                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 2, X3, False)
                 if k < K:
-                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
+                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
                     _fwd_epilogue(
                         a0, 0, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
                     )
@@ -246,7 +258,7 @@ def _fused_fwd_kernel(
                     )
                     gl.thread_barrier()
                 else:
-                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 2, X3, 0)
+                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 2, X3, 0, FMA)
                     _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
                                   SIN0, FO, acc_l)  # fmt: skip
                     _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
@@ -264,19 +276,19 @@ def _half(e0, E, c0, BK: gl.constexpr, t_l: gl.constexpr):
 
 
 @_jit
-def _to_a(a_s, lo, hi, BK: gl.constexpr, a_l: gl.constexpr):
-    """The cos half ``lo`` over the sin half ``hi`` through ``a_s`` into registers
-    as a ``wgmma`` A operand."""
+def _to_a(a_s, lo, hi, BK: gl.constexpr, a_l: gl.constexpr, FMA: gl.constexpr):
+    """The cos half ``lo`` over the sin half ``hi`` through ``a_s``: the A operand
+    (:func:`_operand`)."""
     gl.thread_barrier()  # the last K step's operand is read
     a_s.store(gl.join(lo, hi).permute((2, 0, 1)).reshape([64, BK]))
     gl.thread_barrier()
-    return a_s.load(a_l)
+    return _operand(a_s, a_l, FMA)
 
 
 @_jit
 def _dy(a_s, dy_ptr, sd_m, sd_c, m, c0, e0, E,
         SIN0: gl.constexpr, FO: gl.constexpr, BK: gl.constexpr, a_l: gl.constexpr,
-        t_l: gl.constexpr):  # fmt: skip
+        t_l: gl.constexpr, FMA: gl.constexpr):  # fmt: skip
     """Outputs ``c0 ..`` of dy of order m as an A operand."""
     edge, ok, col = _half(e0, E, c0, BK, t_l)
     src = dy_ptr + m * sd_m + edge * FO + col
@@ -285,7 +297,7 @@ def _dy(a_s, dy_ptr, sd_m, sd_c, m, c0, e0, E,
         hi = gl.load(src + sd_c, mask=ok & (m != 0), other=0.0)
     else:
         hi = gl.load(src + sd_c, mask=ok, other=0.0)
-    return _to_a(a_s, lo, hi, BK, a_l)
+    return _to_a(a_s, lo, hi, BK, a_l, FMA)
 
 
 @_jit
@@ -311,7 +323,8 @@ def _zp(z_ptr, sz, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
 
 @_jit
 def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
-        BK: gl.constexpr, a_l: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
+        BK: gl.constexpr, a_l: gl.constexpr, t_l: gl.constexpr,
+        FMA: gl.constexpr):  # fmt: skip
     """Inputs ``64 jb + BK kh ..`` of ``dz_k`` of order m as an A operand, from du
     (shared) and what :func:`_zp` loaded: cos and sin rows of an edge side by side,
     as the m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
@@ -332,7 +345,7 @@ def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
     else:
         lo = du_c * s
         hi = du_s * s
-    return _to_a(a_s, lo, hi, BK, a_l)
+    return _to_a(a_s, lo, hi, BK, a_l, FMA)
 
 
 @_jit
@@ -356,8 +369,8 @@ def _bwd_epilogue(acc, j: gl.constexpr, m, LAST: gl.constexpr, u_s,
 def _fused_bwd_kernel(
     dy_ptr, sd_m, sd_c, wt_desc, wot_desc, wtl_desc, wotl_desc, z_ptr, sz, dx_ptr,
     sx_m, sx_c, E, n_tiles,
-    K: gl.constexpr, SIN0: gl.constexpr, X3: gl.constexpr, BK: gl.constexpr,
-    STG: gl.constexpr, num_warps: gl.constexpr,
+    K: gl.constexpr, SIN0: gl.constexpr, X3: gl.constexpr, FMA: gl.constexpr,
+    BK: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
@@ -367,10 +380,10 @@ def _fused_bwd_kernel(
     NO: gl.constexpr = 3 * KO
     KA: gl.constexpr = 192 // BK  # then the gated layers' W^T, last layer first
     NCH: gl.constexpr = NO + K * 3 * KA
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, 32, 8]
-    )
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=1)
+    BF16: gl.constexpr = wt_desc.dtype == gl.bfloat16
+    acc_l: gl.constexpr = _acc_layout(FMA, BF16, num_warps)
+    a_l: gl.constexpr = _operand_layout(acc_l, 0, FMA, BF16)
+    b_l: gl.constexpr = _operand_layout(acc_l, 1, FMA, BF16)
     t_l: gl.constexpr = gl.BlockedLayout([1, BK // 8], [4, 8], [num_warps, 1], [1, 0])
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
     if BK == 32:
@@ -378,7 +391,7 @@ def _fused_bwd_kernel(
     else:
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX16)
     ring = gl.allocate_shared_memory(
-        gl.float32, [6 * STG if X3 else 3 * STG, 64, BK], wt_desc.layout
+        wt_desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], wt_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STG):
@@ -399,23 +412,24 @@ def _fused_bwd_kernel(
         # 1. du_K = W_out^T dy, an order at a time
         for m in range(3):
             a0, a1, a2 = zero, zero, zero
-            hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+            hi = gl.zeros([64, BK], wt_desc.dtype, layout=a_l)
             lo = hi
             for kc in range(3):  # 32 outputs of dy, KH K steps
-                c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
+                c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                 for kh in gl.static_range(KH):
                     c = m * KO + KH * kc + kh
                     g = g0 + c
                     p_hi, p_lo = hi, lo
                     a = _dy(a_s, dy_ptr, sd_m, sd_c, m, BK * (KH * kc + kh), e0, E,
-                            SIN0, FO, BK, a_l, t_l)  # fmt: skip
+                            SIN0, FO, BK, a_l, t_l, FMA)  # fmt: skip
                     mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                    c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, 3, X3)
-                    c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
+                    c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, 3, X3,
+                                               FMA, BK, a_l, b_l)  # fmt: skip
+                    c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
                     _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc,
                             wtl_desc, ring, ready, g, more, STG, BK, X3)  # fmt: skip
-                a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
-            a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
+                a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
+            a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
             _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
                           acc_l)  # fmt: skip
             _bwd_epilogue(a1, 1, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
@@ -431,11 +445,11 @@ def _fused_bwd_kernel(
                 a0 = u_s.index(m * 3 + 0).load(acc_l)
                 a1 = u_s.index(m * 3 + 1).load(acc_l)
                 a2 = u_s.index(m * 3 + 2).load(acc_l)
-                hi = gl.zeros([64, BK], gl.float32, layout=a_l)
+                hi = gl.zeros([64, BK], wt_desc.dtype, layout=a_l)
                 lo = hi
                 n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, BK, t_l)
                 for jb in range(3):
-                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3)
+                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                     for kh in gl.static_range(KS):
                         c = NO + (kk * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
@@ -445,16 +459,18 @@ def _fused_bwd_kernel(
                         c1st = 64 * jb + BK * kh + BK
                         n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, c1st, e0, E, F, BK,
                                                  t_l)  # fmt: skip
-                        a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l)
+                        a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l,
+                                FMA)  # fmt: skip
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
                         c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                   3, X3)  # fmt: skip
-                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1)
+                                                   3, X3, FMA, BK, a_l,
+                                                   b_l)  # fmt: skip
+                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
                         _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc,
                                 wotl_desc, wtl_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
-                    a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3)
-                a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0)
+                    a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
+                a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
                 gl.thread_barrier()  # every K step read du of this order
                 _bwd_epilogue(a0, 0, m, kk == K - 1, u_s, dx_ptr, sx_m, sx_c, e0, E,
                               SIN0, F, acc_l)  # fmt: skip
@@ -525,7 +541,7 @@ def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
         xp if b is None else b, xp if bo is None else bo, z, sz,
         yp, yp.stride(0), yp.stride(1), n, n_tiles, K=K, HAS_B=b is not None,
         HAS_BO=bo is not None, SIN0=sin0, X3=precision == "tf32x3",
-        BK=BK[precision], STG=STAGES, num_warps=WARPS,
+        FMA=precision == "ieee", BK=BK[precision], STG=STAGES, num_warps=WARPS,
     )  # fmt: skip
 
 
@@ -544,7 +560,8 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
     _fused_bwd_kernel[(_grid(n_tiles, gp.device),)](
         gp, gp.stride(0), gp.stride(1), wt, wot, wtl, wotl, z, sz, dxp,
         dxp.stride(0), dxp.stride(1), n, n_tiles, K=K, SIN0=sin0,
-        X3=precision == "tf32x3", BK=BK[precision], STG=STAGES, num_warps=WARPS,
+        X3=precision == "tf32x3", FMA=precision == "ieee", BK=BK[precision],
+        STG=STAGES, num_warps=WARPS,
     )  # fmt: skip
 
 

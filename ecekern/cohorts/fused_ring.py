@@ -1,18 +1,23 @@
 """The fused stack's weights: made ready once a call on the host, streamed from L2
 through a ring of ``[64, BK]`` boxes in shared memory by TMA, and multiplied a K step
-(BK inputs) at a time on the tensor cores (:mod:`ecekern.cohorts.fused` runs it).
+(BK inputs) at a time on the tensor cores or the FMA units
+(:mod:`ecekern.cohorts.fused` runs it).
 
 Formula: one K step adds ``a[:, k0:k0+BK] @ W[n0:n0+64, k0:k0+BK]^T`` to each of a
-tile's accumulators, in TF32, or in 3xTF32 as ``lo hi + hi lo + hi hi`` with
-``a = hi + lo`` split in registers (``_round_tf32``) and W split once a call
+tile's accumulators: by IEEE fp32 FMAs (``"ieee"``, a from shared memory); in
+TF32; in bf16 (a rounded in registers, W once a call); or in 3xTF32 as
+``lo hi + hi lo + hi hi`` with ``a = hi + lo`` split in registers
+(``_round_tf32``) and W split once a call
 (:func:`~ecekern.cohorts.layer_kernels.split_tf32`), the small products first.
 
 Shapes: the gated layers' W stacked ``(K 3 F, F)`` (W^T, last layer first, for the
 backward), W_out ``(3 F', F)`` (W_out^T ``(3 F, F')``); a ring stage holds three
-boxes (TF32) or three of each part (3xTF32), ``3 x 64 x BK x 4`` bytes a part.
+boxes or three of each part (3xTF32), ``3 x 64 x BK x 4`` bytes a part (half that
+in bf16).
 
 Bytes: every program reads all the weights once a tile each way, from L2 (twice in
-3xTF32); 72 KiB of shared memory at ``STAGES = 3`` in both precisions.
+3xTF32, half in bf16); 72 KiB of shared memory at ``STAGES = 3`` (36 KiB in
+bf16).
 
 Status: used by :mod:`ecekern.cohorts.fused` (sm_90); compiled for sm_90 without a
 GPU in the tests, run against fp64 on the H200 through the fused stack's GPU tests.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import gl, gluon
+from .._triton import fma_dot, gl, gluon
 from .layer_kernels import split_tf32
 
 if gluon is not None:
@@ -38,12 +43,14 @@ __all__ = ["BK", "PRECISIONS", "STAGES", "backward_weights", "forward_weights"]
 
 #: The shapes the kernels are written for: features, outputs, orders.
 F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products, TF32 or fp32-accurate 3xTF32
-#: (``hi lo + lo hi + hi hi``).
-PRECISIONS = ("tf32", "tf32x3")
-#: Inputs a K step (a box of W is ``[64, BK]`` fp32) and K steps of W in flight, per
-#: precision: 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
-BK = {"tf32": 32, "tf32x3": 16}
+#: The precisions of the products: strict fp32 on the FMA units, TF32,
+#: fp32-accurate 3xTF32 (``hi lo + lo hi + hi hi``) or bf16 operands (rounded to
+#: nearest; fp32 sums) on the tensor cores.
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+#: Inputs a K step (a box of W is ``[64, BK]``, fp32, or bf16 in bf16) and K steps
+#: of W in flight, per precision: 3xTF32 streams W's TF32 part and remainder, twice
+#: the bytes a step.
+BK = {"ieee": 32, "tf32": 32, "tf32x3": 16, "bf16": 32}
 STAGES = 3
 
 
@@ -53,9 +60,42 @@ def _jit(fn=None, **kw):
     return gluon.jit(fn, **kw) if gluon is not None else fn
 
 
+_layout_fn = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
+
+
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
+@_layout_fn
+def _acc_layout(FMA, BF16, num_warps):
+    """An accumulator ``[64 rows, 64 outputs]``: ``wgmma``'s (K 8 an instruction,
+    16 in bf16), or on the FMA units each thread 4 x 4, rows and outputs 16 apart
+    (:func:`~.fused_ring._fma`)."""
+    if FMA:
+        return gl.BlockedLayout([1, 1], [4, 8], [4, num_warps // 4], [1, 0])
+    warps = [4, num_warps // 4]
+    k = 16 if BF16 else 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                     instr_shape=[16, 32, k])  # fmt: skip
+
+
+@_layout_fn
+def _operand_layout(acc_l, index, FMA, BF16):
+    """The layout of a product's operand ``index`` (0: rows, 1: W) in registers."""
+    k_width = 0 if FMA else 2 if BF16 else 1
+    return gl.DotOperandLayout(operand_index=index, parent=acc_l, k_width=k_width)
+
+
+@_jit
+def _operand(view, a_l: gl.constexpr, FMA: gl.constexpr):
+    """A ``[64, BK]`` A operand: read by the FMA products from shared memory as
+    they go, or loaded into registers for ``wgmma``."""
+    if FMA:
+        return view
+    else:
+        return view.load(a_l)
+
+
 @_jit
 def _round_tf32(x):
     """fp32 ``x`` rounded to the nearest TF32 value (ties to even), kept in fp32:
@@ -77,13 +117,41 @@ def _mma(a, ring, b, a0, a1, a2, NB: gl.constexpr):
 
 
 @_jit
-def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr):
-    """One K step's products, ``a [64, BK]`` times W from ring stage st, issued.
-    In 3xTF32 the stage holds W's TF32 part (boxes 0-2) and remainder (3-5), a is
-    split here into ``hi`` and ``lo``, and the small products go first:
-    ``lo hi + hi lo + hi hi``. Returns the accumulators and the A operands in
-    flight: ``a`` and, in TF32, ``lo`` as it came (a loop-invariant zero)."""
-    if X3:
+def _fma(a, ring, b, a0, a1, a2, NB: gl.constexpr, BK: gl.constexpr,
+         a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """``a [64, BK]`` (shared) times the NB boxes of W from ring box b by IEEE fp32
+    FMAs, four inputs at a time: a thread holds 4 x 4 outputs of each accumulator,
+    rows and outputs 16 apart, so that a warp's 16-byte reads of a and of W's
+    K-contiguous boxes fall in distinct banks."""
+    for kk in gl.static_range(BK // 4):
+        ak = a.slice(4 * kk, 4, dim=1).load(a_l)
+        w = ring.index(b).slice(4 * kk, 4, dim=1).permute((1, 0))
+        a0 = fma_dot(ak, w.load(b_l), a0)
+        w = ring.index(b + 1).slice(4 * kk, 4, dim=1).permute((1, 0))
+        a1 = fma_dot(ak, w.load(b_l), a1)
+        if NB == 3:
+            w = ring.index(b + 2).slice(4 * kk, 4, dim=1).permute((1, 0))
+            a2 = fma_dot(ak, w.load(b_l), a2)
+    return a0, a1, a2
+
+
+@_jit
+def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr,
+          FMA: gl.constexpr, BK: gl.constexpr, a_l: gl.constexpr,
+          b_l: gl.constexpr):  # fmt: skip
+    """One K step's products, ``a [64, BK]`` times W from ring stage st, issued
+    (on the FMA units: done, a in shared memory). In 3xTF32 the stage holds W's
+    TF32 part (boxes 0-2) and remainder (3-5), a is split here into ``hi`` and
+    ``lo``, and the small products go first: ``lo hi + hi lo + hi hi``. Returns
+    the accumulators and the A operands in flight: ``a`` and, in TF32, ``lo`` as
+    it came (a loop-invariant zero; both that zero on the FMA units)."""
+    if FMA:
+        hi = lo
+        c0, c1, c2 = _fma(a, ring, 3 * st, c0, c1, c2, NB, BK, a_l, b_l)
+    elif ring.dtype == gl.bfloat16:
+        hi = a.to(gl.bfloat16)
+        c0, c1, c2 = _mma(hi, ring, 3 * st, c0, c1, c2, NB)
+    elif X3:
         hi = _round_tf32(a)
         lo = a - hi
         c0, c1, c2 = _mma(lo, ring, 6 * st, c0, c1, c2, NB)
@@ -96,11 +164,17 @@ def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr):
 
 
 @_jit
-def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.constexpr):
+def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.constexpr,
+            FMA: gl.constexpr):  # fmt: skip
     """Wait until at most the last N K steps' products are in flight (N = 1: the
     step before is done with its operands ``hi``, ``lo`` and its ring stage; N = 0:
-    every product is done)."""
-    if NB == 3:
+    every product is done). On the FMA units the products are done when issued.
+    With N = 1 every warp then waits until all are past the step before: one
+    thread issues the next load into its ring stage, and the other warpgroup's
+    products may still read it."""
+    if FMA:
+        pass
+    elif NB == 3:
         if X3:
             c0, c1, c2, hi, lo = warpgroup_mma_wait(9 * N, deps=[c0, c1, c2, hi, lo])
         else:
@@ -110,14 +184,18 @@ def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.conste
             c0, c1, hi, lo = warpgroup_mma_wait(6 * N, deps=[c0, c1, hi, lo])
         else:
             c0, c1, hi = warpgroup_mma_wait(2 * N, deps=[c0, c1, hi])
+    if N == 1:
+        gl.thread_barrier()
     return c0, c1, c2
 
 
 @_jit
-def _chunk(a0, a1, a2, zero, X3: gl.constexpr):
-    """The accumulators a chunk of inputs starts from: zero in 3xTF32 (its sums
-    join a0 .. in fp32 adds, :func:`_fold`), a0 .. themselves in TF32."""
-    if X3:
+def _chunk(a0, a1, a2, zero, X3: gl.constexpr, FMA: gl.constexpr):
+    """The accumulators a chunk of inputs starts from: zero in 3xTF32 and strict
+    fp32 (its sums join a0 .. in fp32 adds, :func:`_fold`, so that a long sum's
+    roundings are relative to the chunk's, not to a0's residual start), a0 ..
+    themselves in TF32."""
+    if X3 or FMA:
         c0, c1, c2 = zero, zero, zero
     else:
         c0, c1, c2 = a0, a1, a2
@@ -125,12 +203,14 @@ def _chunk(a0, a1, a2, zero, X3: gl.constexpr):
 
 
 @_jit
-def _fold(a0, a1, a2, c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr):
+def _fold(a0, a1, a2, c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr,
+          FMA: gl.constexpr):  # fmt: skip
     """A chunk's sums into the accumulators: in 3xTF32 once its products are done
-    (``hi``, ``lo``: the last step's operands), by fp32 adds; in TF32 the chunk's
-    accumulators are a0 .. already."""
-    if X3:
-        c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NB, X3, 0)
+    (``hi``, ``lo``: the last step's operands), by fp32 adds, and so on the FMA
+    units (done already); in TF32 the chunk's accumulators are a0 .. already."""
+    if X3 or FMA:
+        if X3:
+            c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NB, X3, 0, False)
         a0 += c0
         a1 += c1
         if NB == 3:
@@ -200,8 +280,10 @@ def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
 # host: the weights as the ring streams them
 # --------------------------------------------------------------------------------------
 def _desc(w2d: torch.Tensor, bk: int):
-    """A TMA descriptor of boxes ``[64, bk]`` over a contiguous fp32 matrix."""
-    layout = gl.NVMMASharedLayout.get_default_for([64, bk], gl.float32)
+    """A TMA descriptor of boxes ``[64, bk]`` over a contiguous fp32 or bf16
+    matrix."""
+    dt = gl.bfloat16 if w2d.dtype == torch.bfloat16 else gl.float32
+    layout = gl.NVMMASharedLayout.get_default_for([64, bk], dt)
     return TensorDescriptor.from_tensor(w2d, [64, bk], layout)
 
 
@@ -212,6 +294,8 @@ def _descs(w2d: torch.Tensor, precision: str) -> tuple:
     if precision == "tf32x3":
         hi, lo = split_tf32(w2d)
         return _desc(hi, bk), _desc(lo, bk)
+    if precision == "bf16":  # rounded to nearest once a call, as the rows are
+        w2d = w2d.to(torch.bfloat16)
     d = _desc(w2d.contiguous(), bk)
     return d, d
 

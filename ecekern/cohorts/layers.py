@@ -42,8 +42,9 @@ of it ``1 - 1/(2 n_ang)`` (five sixths at n_ang = 3). Recomputing adds the gated
 layers' forward without z (8). FLOPs: ``4 n_ang (K F^2 + F' F) E`` each way (times
 ``1 - 1/(2 n_ang)`` with ``sin0_zero``).
 
-Precision (``KERNELS``; ``"tf32x3-stack"`` and ``"tf32-stack"`` hand the call to
-the fused stack, :mod:`.fused`): ``"ieee"`` (strict fp32 FMA, and float64),
+Precision (``KERNELS``; the names in ``STACKS``, ``"ieee-stack"`` ..
+``"bf16-stack"``, hand the call to the fused stack, :mod:`.fused`): ``"ieee"``
+(strict fp32 FMA, and float64),
 ``"tf32"``, ``"tf32x3"`` (fp32-accurate: ``hi lo + lo hi + hi hi`` in three TF32
 products, W split once a call by :func:`split_tf32`, the rows split in registers,
 each inner chunk summed from zero and added to the accumulator in fp32) and
@@ -102,7 +103,12 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #: The whole stack in one kernel per tile of edges (:mod:`.fused`), by the precision
 #: of its products; where it cannot serve a call, the layer kernels at that precision
 #: do, with a warning.
-STACKS = {"tf32-stack": "tf32", "tf32x3-stack": "tf32x3"}
+STACKS = {
+    "ieee-stack": "ieee",
+    "tf32x3-stack": "tf32x3",
+    "tf32-stack": "tf32",
+    "bf16-stack": "bf16",
+}
 KERNELS = (*PRECISIONS, *STACKS)
 #: Rows a cohort: the planes buffers hold this many edges.
 COHORT_EDGES = 65536

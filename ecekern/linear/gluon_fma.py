@@ -34,12 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton import gl, gluon, triton
+from .._triton import fma_dot, gl, gluon, triton
 from .gluon_common import jit, store_modes
-
-if gluon is not None:
-    from triton.experimental.gluon.language._core import tensor as _gl_tensor
-    from triton.language.core import builtin
 
 __all__ = ["FmaLaunch", "fma_fwd", "fma_reason"]
 
@@ -61,22 +57,6 @@ class FmaLaunch:
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-if gluon is not None:
-
-    @builtin
-    def fma_dot(a, b, acc, _semantic=None):
-        """``acc + a @ b`` by IEEE fp32 FMAs in the layouts the caller chose (a and b
-        ``DotOperandLayout`` of acc's ``BlockedLayout``). ``gl.dot_fma`` without the
-        K >= 16 floor of ``tl.dot``'s shape check: a K of 4 keeps each rank-4 update's
-        operands to 48 registers."""
-        prec = _semantic._str_to_dot_input_precision("ieee")
-        h = _semantic.builder.create_dot(a.handle, b.handle, acc.handle, prec, 0)
-        return _gl_tensor(h, acc.type)
-
-else:
-    fma_dot = None
-
-
 @jit
 def _half(t, N: gl.constexpr):
     return gl.split(t.reshape([t.shape[0], t.shape[1], N // 2, 2]))
