@@ -99,8 +99,8 @@ class Options:
             precision; where it cannot serve, the layer kernels at that precision,
             with a warning); ``"off"`` runs the
             EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
-            float32 on CUDA (chapter 6: force errors within 1.1x of strict fp32's,
-            the step 1.9x faster) and ``"off"`` otherwise.
+            float32 on CUDA (chapter 6: fp32-accurate, and the fastest
+            fp32-accurate stack) and ``"off"`` otherwise.
     """
 
     reference: bool = False

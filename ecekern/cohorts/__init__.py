@@ -37,7 +37,8 @@ differentiably, at the plain stack's memory.
 
 With ``fused`` (a precision), the forward and a force step's backward are the layer
 kernels of :mod:`ecekern.cohorts.layers` (one Triton kernel per layer, the gate and
-residual in its epilogue, z kept in one tensor).
+residual in its epilogue, z kept in one tensor), or with a ``"*-stack"`` precision
+the whole stack in one kernel per tile of edges (:mod:`ecekern.cohorts.fused`).
 
 Status: PyTorch level, any device and any ``linear``; while ``torch.compile`` traces,
 the plain stack is traced (the compiler plans its own memory). On by default for CUDA
@@ -340,7 +341,8 @@ def mixing_stack(
             m = 0 order has no sin part; the edge frame's rows are built so).
             Then ``y_sin[..., 0] = 0`` and the gradient to ``x_sin[..., 0]`` is
             zero, and the layer kernels skip the m = 0 sin products: ``1/(2
-            n_ang)`` of their work (a sixth at n_ang = 3). Without the kernels
+            n_ang)`` of their work (a sixth at n_ang = 3; the fused stacks read
+            and write no m = 0 sin plane but multiply its zeros). Without the kernels
             (``fused=None``, or a fallback) the stack runs on a zeroed copy of
             ``x_sin``, which it keeps in place of ``x_sin``.
         x_rebuild: None, or a callable that makes ``(x_cos, x_sin)`` again, the

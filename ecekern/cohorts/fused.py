@@ -14,9 +14,10 @@ the 32 sin rows, one ``wgmma`` row block. Its state, u in the forward and du in 
 backward, ``3 x 64 x F`` fp32 (147 KB at F = 192), stays in shared memory through
 every layer; the weights stream through a ring of ``[64, BK]`` boxes by TMA, from
 L2 (every program reads all of them, once a tile), three K steps in flight. For
-each layer and order the tile's rows go, BK inputs at a time, from shared memory
-into registers (the A operand) and meet the box of each 64 outputs; two warpgroups
-share the products, each half of every box's outputs. The epilogue applies bias,
+each layer and order the tile's rows meet the box of each 64 outputs, BK inputs at
+a time: on the tensor cores from registers (the A operand), two warpgroups each
+taking half of every box's outputs; on the FMA units from shared memory, four
+inputs at a time, four warps each taking half the rows. The epilogue applies bias,
 gate and residual and writes the order's new state back in place (the orders are
 block-diagonal: nothing else reads it), and z to global memory. The gate's
 ``s = sigmoid(p)`` of an edge's m >= 1 rows comes from the m = 0 cos row of z,
@@ -27,6 +28,9 @@ the orders, m = 0 first (its ``dz`` needs ``t = sum_(m>=1) du_m z_m`` of rows no
 yet overwritten); ``dz`` is made BK inputs at a time from du, the kept z and p
 (loaded a K step ahead), cos and sin rows of an edge side by side, and handed to the
 products through a ``[64, BK]`` buffer. The accumulators start at du: the residual.
+In 3xTF32 and strict fp32 each chunk of inputs (64; 32 of dy in the first stage) is
+summed from zero and added to them in fp32, so that the roundings of a long sum are
+relative to the chunk's sum, not to du's.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
 feature), any order and part strides below 2**31, rows contiguous;
@@ -38,15 +42,14 @@ reads x and writes y and z (five of the six planes of each z_k),
 ``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
 kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way
-(twice in 3xTF32: the TF32 part and the remainder).
+(twice in 3xTF32: the TF32 part and the remainder; half in bf16).
 FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included; three
 times that on the tensor cores in 3xTF32.
 
 Precision (the weights' ring and the products: :mod:`~ecekern.cohorts.fused_ring`),
-float32 rows only: ``"ieee"`` (strict fp32 FMAs, A read from shared memory four
-inputs at a time; the backward's sums, which start at du, in chunks of 64 inputs
-from zero, as 3xTF32's), ``"tf32"``, fp32-accurate ``"tf32x3"``, or ``"bf16"``
-(rows rounded to bf16 in registers and W once a call; fp32 sums).
+float32 rows only: ``"ieee"`` (strict fp32 FMAs; the backward chunked as 3xTF32,
+the forward's sums from zero in one chunk), ``"tf32"``, fp32-accurate ``"tf32x3"``,
+or ``"bf16"`` (rows rounded to bf16 in registers and W once a call; fp32 sums).
 
 Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
 ``cohort_fused="ieee-stack"``, ``"tf32x3-stack"``, ``"tf32-stack"`` or
@@ -93,7 +96,8 @@ __all__ = [
     "why_not_fused",
 ]
 
-#: Warps a program: two warpgroups, each half of every product's outputs.
+#: Warps a program: two warpgroups, each half of every product's outputs (on the FMA
+#: units, four warps each half the rows).
 WARPS = 8
 
 
@@ -219,7 +223,7 @@ def _fused_fwd_kernel(
                 hi = gl.zeros([64, BK], w_desc.dtype, layout=a_l)
                 lo = hi
                 for jb in range(3):  # a box of u: 64 inputs, KS K steps
-                    # strict fp32 sums from zero in one chunk, as torch's
+                    # the forward's strict fp32 sums from zero in one chunk
                     c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
                     for kh in gl.static_range(KS):
                         c = (k * 3 + m) * KA + KS * jb + kh
@@ -499,8 +503,8 @@ def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str,
         return "not a CUDA tensor"
     if capability is not None and tuple(capability)[0] != 9:
         major, minor = tuple(capability)[:2]
-        return (f"sm_{major}{minor} is not Hopper: the fused stack's wgmma and TMA "
-                "kernels are sm_90's")  # fmt: skip
+        return (f"sm_{major}{minor} is not Hopper: the fused stack's TMA (and "
+                "wgmma) kernels are sm_90's")  # fmt: skip
     if gluon is None:
         return GLUON_REASON or "no Gluon in this Triton"
     if dtype != torch.float32 or precision not in PRECISIONS:

@@ -142,9 +142,10 @@ def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr,
     """One K step's products, ``a [64, BK]`` times W from ring stage st, issued
     (on the FMA units: done, a in shared memory). In 3xTF32 the stage holds W's
     TF32 part (boxes 0-2) and remainder (3-5), a is split here into ``hi`` and
-    ``lo``, and the small products go first: ``lo hi + hi lo + hi hi``. Returns
-    the accumulators and the A operands in flight: ``a`` and, in TF32, ``lo`` as
-    it came (a loop-invariant zero; both that zero on the FMA units)."""
+    ``lo``, and the small products go first: ``lo hi + hi lo + hi hi``; in bf16
+    a is rounded to bf16 here. Returns the accumulators and the A operands in
+    flight: ``a`` (in bf16, rounded) and, but in 3xTF32, ``lo`` as it came (a
+    loop-invariant zero; on the FMA units both are that zero)."""
     if FMA:
         hi = lo
         c0, c1, c2 = _fma(a, ring, 3 * st, c0, c1, c2, NB, BK, a_l, b_l)
@@ -191,10 +192,10 @@ def _retire(c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr, N: gl.conste
 
 @_jit
 def _chunk(a0, a1, a2, zero, X3: gl.constexpr, FMA: gl.constexpr):
-    """The accumulators a chunk of inputs starts from: zero in 3xTF32 and strict
-    fp32 (its sums join a0 .. in fp32 adds, :func:`_fold`, so that a long sum's
-    roundings are relative to the chunk's, not to a0's residual start), a0 ..
-    themselves in TF32."""
+    """The accumulators a chunk of inputs starts from: zero in 3xTF32 and with FMA
+    (the strict-fp32 backward): its sums join a0 .. in fp32 adds, :func:`_fold`, so
+    that a long sum's roundings are relative to the chunk's, not to a0's residual
+    start; a0 .. themselves otherwise."""
     if X3 or FMA:
         c0, c1, c2 = zero, zero, zero
     else:
@@ -206,8 +207,8 @@ def _chunk(a0, a1, a2, zero, X3: gl.constexpr, FMA: gl.constexpr):
 def _fold(a0, a1, a2, c0, c1, c2, hi, lo, NB: gl.constexpr, X3: gl.constexpr,
           FMA: gl.constexpr):  # fmt: skip
     """A chunk's sums into the accumulators: in 3xTF32 once its products are done
-    (``hi``, ``lo``: the last step's operands), by fp32 adds, and so on the FMA
-    units (done already); in TF32 the chunk's accumulators are a0 .. already."""
+    (``hi``, ``lo``: the last step's operands), by fp32 adds, and so with FMA (the
+    products done already); otherwise the chunk's accumulators are a0 .. already."""
     if X3 or FMA:
         if X3:
             c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NB, X3, 0, False)
@@ -289,7 +290,8 @@ def _desc(w2d: torch.Tensor, bk: int):
 
 def _descs(w2d: torch.Tensor, precision: str) -> tuple:
     """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
-    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice (TF32)."""
+    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice: fp32 (strict
+    fp32, TF32), or rounded to bf16 (bf16)."""
     bk = BK[precision]
     if precision == "tf32x3":
         hi, lo = split_tf32(w2d)
@@ -303,7 +305,8 @@ def _descs(w2d: torch.Tensor, precision: str) -> tuple:
 def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
     """The forward's weights as the kernel takes them, once a call: descriptors of
     the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
-    split in 3xTF32, ``_descs``), the biases ``(K, F)`` (zeros for None) and
+    split in 3xTF32, rounded in bf16: ``_descs``), the biases ``(K, F)`` (zeros for
+    None) and
     ``(F',)`` or None."""
     K = len(weights)
     w = torch.stack([wk.detach() for wk in weights]).contiguous()
