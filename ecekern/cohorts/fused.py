@@ -73,6 +73,7 @@ from .fused_ring import (
     _chunk,
     _fold,
     _jit,
+    _layout_fn,
     _load_w,
     _next_w,
     _operand,
@@ -113,6 +114,13 @@ BOX16 = gl.constexpr(_swizzle(16)) if gluon is not None else None
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
+@_layout_fn
+def _boxes_of(k, K):
+    """Boxes of 64 outputs a K step of layer k: three (F) for the gated layers, two
+    (F' = 96, the rows past it zero) for the output layer."""
+    return 3 if k < K else 2
+
+
 @_jit
 def _sigmoid(p):
     return 1.0 / (1.0 + gl.exp(-p))
@@ -232,23 +240,16 @@ def _fused_fwd_kernel(
                         p_hi, p_lo = hi, lo
                         a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1),
                                      a_l, FMA)  # fmt: skip
-                        if k < K:
-                            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                       3, X3, FMA, BK, a_l,
-                                                       b_l)  # fmt: skip
-                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
-                        else:
-                            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                       2, X3, FMA, BK, a_l,
-                                                       b_l)  # fmt: skip
-                            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 2, X3, 1, FMA)
+                        c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
+                                                   _boxes_of(k, K), X3, FMA, BK, a_l,
+                                                   b_l)  # fmt: skip
+                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, _boxes_of(k, K),
+                                             X3, 1, FMA)  # fmt: skip
                         _next_w(c, NCH, NA, KA, KA, 2, 96, w_desc, wo_desc,
                                 wl_desc, wol_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
-                    if k < K:
-                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, False)
-                    else:
-                        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 2, X3, False)
+                    a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, _boxes_of(k, K),
+                                       X3, False)  # fmt: skip
                 if k < K:
                     a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
                     _fwd_epilogue(
