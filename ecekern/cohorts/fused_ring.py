@@ -43,9 +43,9 @@ __all__ = ["BK", "PRECISIONS", "STAGES", "backward_weights", "forward_weights"]
 
 #: The shapes the kernels are written for: features, outputs, orders.
 F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products: strict fp32 on the FMA units, TF32,
-#: fp32-accurate 3xTF32 (``hi lo + lo hi + hi hi``) or bf16 operands (rounded to
-#: nearest; fp32 sums) on the tensor cores.
+#: The precisions of the products, strict fp32 on the FMA units, or on the tensor
+#: cores TF32, fp32-accurate 3xTF32 (``hi lo + lo hi + hi hi``) or bf16 operands
+#: (rounded to nearest, fp32 sums).
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #: Inputs a K step (a box of W is ``[64, BK]``, fp32, or bf16 in bf16) and K steps
 #: of W in flight, per precision: 3xTF32 streams W's TF32 part and remainder, twice
