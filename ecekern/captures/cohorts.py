@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from ..cohorts import COHORT_EDGES
+from ..cohorts import COHORT_EDGES, layers
 from .common import book_config, device, free, parse_parts, run_ncu, run_parts
 
 __all__ = ["capture"]
@@ -54,14 +54,8 @@ COHORTS = (
 #: per tile of edges, ``"ieee-stack"``, ``"tf32x3-stack"``, ...): (label,
 #: precision); they skip the m = 0 sin part as the model does (``sin0_zero``).
 FUSED = (
-    ("layers ieee", "ieee"),
-    ("layers tf32x3", "tf32x3"),
-    ("layers tf32", "tf32"),
-    ("layers bf16", "bf16"),
-    ("stack tf32", "tf32-stack"),
-    ("stack tf32x3", "tf32x3-stack"),
-    ("stack ieee", "ieee-stack"),
-    ("stack bf16", "bf16-stack"),
+    *((f"layers {p}", p) for p in layers.PRECISIONS),
+    *((f"stack {p}", name) for name, p in layers.STACKS.items()),
 )
 #: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
 FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)

@@ -71,9 +71,9 @@ from .fused_ring import (
     STAGES,
     _acc_layout,
     _chunk,
+    _constexpr_fn,
     _fold,
     _jit,
-    _layout_fn,
     _load_w,
     _next_w,
     _operand,
@@ -114,7 +114,7 @@ BOX16 = gl.constexpr(_swizzle(16)) if gluon is not None else None
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-@_layout_fn
+@_constexpr_fn
 def _boxes_of(k, K):
     """Boxes of 64 outputs a K step of layer k: three (F) for the gated layers, two
     (F' = 96, the rows past it zero) for the output layer."""

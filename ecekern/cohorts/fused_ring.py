@@ -60,13 +60,14 @@ def _jit(fn=None, **kw):
     return gluon.jit(fn, **kw) if gluon is not None else fn
 
 
-_layout_fn = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
+#: Host functions the kernels call at compile time (layouts, box counts).
+_constexpr_fn = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
 
 
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-@_layout_fn
+@_constexpr_fn
 def _acc_layout(FMA, BF16, num_warps):
     """An accumulator ``[64 rows, 64 outputs]``: ``wgmma``'s (K 8 an instruction,
     16 in bf16), or on the FMA units each thread 4 x 4, rows and outputs 16 apart
@@ -79,7 +80,7 @@ def _acc_layout(FMA, BF16, num_warps):
                                      instr_shape=[16, 32, k])  # fmt: skip
 
 
-@_layout_fn
+@_constexpr_fn
 def _operand_layout(acc_l, index, FMA, BF16):
     """The layout of a product's operand ``index`` (0: rows, 1: W) in registers."""
     k_width = 0 if FMA else 2 if BF16 else 1
