@@ -605,5 +605,6 @@ def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     rows = _rows(tmp_path / "stack.csv")
     labels = [c[0] for c in cohorts.COHORTS] + [f[0] for f in cohorts.FUSED]
     labels.append(cohorts.FUSED_RECOMPUTE[0])
+    labels += [f[0] for f in cohorts.STACK_RECOMPUTE]
     assert [r["stack"] for r in rows] == labels
     assert all("multiples of 16" in r["note"] for r in rows[len(cohorts.COHORTS) :])

@@ -15,16 +15,18 @@ every earlier chapter's fast path on (the library's defaults):
   plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
   diamond repeats), and the largest box that ran (an out-of-memory is a row, not
   the end of the run, with what the allocator said: the request, what the tensors
-  held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF);
+  held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF;
+  ``memory=stack``: only the cases whose label starts so);
 * ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the layer kernels'
   tf32x3, tf32 and bf16 against fp64 (same weights)
   on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
   force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
   each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
   energy drift per atom;
-* ``ncu`` -> ncu_layers.csv, ncu_stack.csv: Nsight Compute on the layer kernels and
-  on the fused stacks, forward and force backward, at each precision (one cohort of
-  65536 edges); ``ncu=layers`` or ``ncu=stack`` runs one of the two.
+* ``ncu`` -> ncu_layers.csv, ncu_stack.csv, ncu_recompute.csv: Nsight Compute on
+  the layer kernels and on the fused stacks, forward and force backward, at each
+  precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
+  ``ncu=layers``, ``ncu=stack`` or ``ncu=recompute`` runs one of the three.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ FUSED = (
 )
 #: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
 FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)
+#: The fused stacks whose forward writes only y and whose backward makes each tile's
+#: z again on chip: (label, stack).
+STACK_RECOMPUTE = tuple((f"stack {p} recompute", name)
+                        for name, p in layers.STACKS.items())  # fmt: skip
 
 
 def capture(
@@ -78,7 +84,10 @@ def capture(
     parts_ = (
         ("stack", lambda: _stack(out, reps, dev)),
         ("steps", lambda: _steps(out, reps)),
-        ("memory", lambda: _memory(out, boxes_[:2] if quick else boxes_)),
+        (
+            "memory",
+            lambda: _memory(out, boxes_[:2] if quick else boxes_, todo.get("memory")),
+        ),  # fmt: skip
         ("precision", lambda: _precision(out)),
         ("ncu", lambda: _ncu(out, todo.get("ncu")) if ncu else "ncu not asked for"),
     )
@@ -92,8 +101,8 @@ def _ncu(out: Path, which: str | None = None) -> str:
     precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
     stacks (:func:`~ecekern.captures.targets.cohorts_stack`); ``which``: ``"layers"``
     or ``"stack"`` for one of them."""
-    if which not in (None, "", "layers", "stack"):
-        raise ValueError(f"ncu={which!r}: 'layers' or 'stack'")
+    if which not in (None, "", "layers", "stack", "recompute"):
+        raise ValueError(f"ncu={which!r}: 'layers', 'stack' or 'recompute'")
     done = []
     if which in (None, "", "layers"):
         a = run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
@@ -101,6 +110,10 @@ def _ncu(out: Path, which: str | None = None) -> str:
     if which in (None, "", "stack"):
         b = run_ncu("cohorts_stack", out / "ncu_stack.csv", ["-k", "regex:_fused"])
         done.append(f"stack: {b}")
+    if which in (None, "", "recompute"):
+        c = run_ncu("cohorts_stack_recompute", out / "ncu_recompute.csv",
+                    ["-k", "regex:_fused"])  # fmt: skip
+        done.append(f"recompute: {c}")
     return "; ".join(done)
 
 
@@ -147,6 +160,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
         label, p, c = FUSED_RECOMPUTE
         cases.append((label, c, True, p))
+        cases += [(label, COHORT_EDGES, True, p) for label, p in STACK_RECOMPUTE]
         for label, cohort, recompute, fused in cases:
             why = fused and why_not_layers(x_rows[0], layer.out.weight, fused)
             if why:  # the interpreter's tiny model: widths without a factor 16
@@ -213,9 +227,20 @@ STEP_CASES = (
             "cohort_edges": FUSED_RECOMPUTE[2],
         },
     ),  # fmt: skip
+    *(
+        (label, {"cohorts": True, "cohort_fused": p, "cohort_recompute": True})
+        for label, p in STACK_RECOMPUTE
+    ),  # fmt: skip
 )
 #: The ``memory`` part's cases, from :data:`STEP_CASES`.
-MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3", FUSED_RECOMPUTE[0])
+MEMORY_CASES = (
+    "plain",
+    "keep z",
+    "recompute",
+    "layers tf32x3",
+    FUSED_RECOMPUTE[0],
+    "stack tf32x3 recompute",
+)
 
 
 def _steps(out: Path, reps: list[int]) -> str:
@@ -372,7 +397,8 @@ def _precision(out: Path, rep: int = 4) -> str:
     return "done"
 
 
-def _memory(out: Path, boxes: list[int]) -> dict:
+def _memory(out: Path, boxes: list[int], only: str | None = None) -> dict:
+    """``only``: the cases whose label starts so (``memory=stack``)."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
@@ -380,7 +406,8 @@ def _memory(out: Path, boxes: list[int]) -> dict:
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
     cases = {label: kw for label, kw in reversed(STEP_CASES)}  # keep z: 8192
-    for label, kw in ((label, cases[label]) for label in MEMORY_CASES):
+    todo = [label for label in MEMORY_CASES if label.startswith(only or "")]
+    for label, kw in ((label, cases[label]) for label in todo):
         for rep in boxes:
             row = {"stack": label, "repeats": rep}
             try:

@@ -195,12 +195,20 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
         )
 
 
-def _stack_ranges(x, gy, ws, bs, wo, bo, precisions, **kw):
+def _stack_ranges(x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
     """For each precision: the stack's forward, then its force backward from the z
-    it kept, each once in an NVTX range after a warm-up."""
+    it kept (or, with ``recompute``, the forward that keeps no z and the backward
+    that makes it again), each once in an NVTX range after a warm-up."""
     from ecekern.cohorts import layers
 
     for p in precisions:
+        if recompute:
+            _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p,
+                                                       keep=False, **kw),
+                      warmup=1)  # fmt: skip
+            _in_range(lambda p=p: layers.stack_recompute_backward(
+                *x, *gy, ws, bs, wo, p, **kw), warmup=1)  # fmt: skip
+            continue
         z = layers.stack_forward(*x, ws, bs, wo, bo, p, **kw)[2]
         _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p, **kw),
                   warmup=1)  # fmt: skip
@@ -226,11 +234,13 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     _stack_ranges(x, gy, ws, bs, wo, bo, layers.PRECISIONS, sin0_zero=True)
 
 
-def cohorts_stack(E: int = 65_536):
+def cohorts_stack(E: int = 65_536, recompute: bool = False):
     """Chapter 6's fused stacks (:data:`ecekern.cohorts.layers.STACKS`,
     :mod:`ecekern.cohorts.fused`) in its order (strict fp32, 3xTF32, TF32, bf16), on
     one cohort of the library's size, fp32, K = 2, the book's widths: the forward,
-    then the force backward, on planes pairs as the model hands them over."""
+    then the force backward, on planes pairs as the model hands them over; with
+    ``recompute``, the forward that writes only y and the backward that makes each
+    tile's z again on chip."""
     from ecekern._planes import planes_pair
     from ecekern.cohorts import layers
 
@@ -246,13 +256,19 @@ def cohorts_stack(E: int = 65_536):
     Q.copy_(r(*Q.shape))
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    _stack_ranges(x, gy, ws, bs, wo, bo, layers.STACKS, sin0_zero=True,
+    _stack_ranges(x, gy, ws, bs, wo, bo, layers.STACKS, recompute, sin0_zero=True,
                   cohort_edges=E)  # fmt: skip
+
+
+def cohorts_stack_recompute(E: int = 65_536):
+    """:func:`cohorts_stack` with ``recompute``."""
+    cohorts_stack(E, recompute=True)
 
 
 TARGETS = {
     "cohorts_layers": cohorts_layers,
     "cohorts_stack": cohorts_stack,
+    "cohorts_stack_recompute": cohorts_stack_recompute,
     "copy": copy,
     "gemm": gemm,
     "force_step": force_step,

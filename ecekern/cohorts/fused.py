@@ -71,7 +71,6 @@ from .fused_ring import (
     STAGES,
     _acc_layout,
     _chunk,
-    _constexpr_fn,
     _fold,
     _jit,
     _load_w,
@@ -114,13 +113,6 @@ BOX16 = gl.constexpr(_swizzle(16)) if gluon is not None else None
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-@_constexpr_fn
-def _boxes_of(k, K):
-    """Boxes of 64 outputs a K step of layer k: three (F) for the gated layers, two
-    (F' = 96, the rows past it zero) for the output layer."""
-    return 3 if k < K else 2
-
-
 @_jit
 def _sigmoid(p):
     return 1.0 / (1.0 + gl.exp(-p))
@@ -136,14 +128,17 @@ def _rows(e0, E, layout: gl.constexpr):
 
 @_jit
 def _fwd_epilogue(acc, j: gl.constexpr, k: gl.constexpr, m, u_s,
-                  b_ptr, z_ptr, sz, e0, E, HAS_B: gl.constexpr, F: gl.constexpr,
+                  b_ptr, z_ptr, sz, ze0, e0, E, HAS_B: gl.constexpr,
+                  ZALL: gl.constexpr, F: gl.constexpr,
                   acc_l: gl.constexpr):  # fmt: skip
-    """Outputs ``64 j ..`` of order m of gated layer k: z out, ``u += gate(z)``."""
+    """Outputs ``64 j ..`` of order m of gated layer k: ``u += gate(z)``; z's m = 0
+    cos row p out (the other orders' gates read it), and with ZALL the m >= 1 rows
+    too. z's rows are edges less ``ze0``."""
     part, edge, ok = _rows(e0, E, gl.SliceLayout(1, acc_l))
     col = 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
     part, edge, ok = part[:, None], edge[:, None], ok[:, None]
     EF = sz.to(gl.int64)  # a plane of z
-    at = edge * F + col[None, :]  # int32 within a plane (the launcher checks)
+    at = (edge - ze0) * F + col[None, :]  # int32 within a plane (the launcher checks)
     if m == 0:
         if HAS_B:
             acc = acc + gl.where(part == 0, gl.load(b_ptr + k * F + col)[None, :], 0.0)
@@ -153,8 +148,9 @@ def _fwd_epilogue(acc, j: gl.constexpr, k: gl.constexpr, m, u_s,
     else:
         p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)  # z's m = 0 cos
         g = acc * _sigmoid(p)
-        at = at + part * sz  # the sin plane follows the cos plane
-        gl.store(z_ptr + (k * 3 + m) * 2 * EF + at, acc, mask=ok)
+        if ZALL:
+            at = at + part * sz  # the sin plane follows the cos plane
+            gl.store(z_ptr + (k * 3 + m) * 2 * EF + at, acc, mask=ok)
     box = u_s.index(m * 3 + j)
     box.store(box.load(acc_l) + g)
 
@@ -176,17 +172,89 @@ def _out_epilogue(acc, j: gl.constexpr, m, bo_ptr, y_ptr, sy_m, sy_c,
     gl.store(ptr, acc, mask=ok & (col < FO)[None, :])
 
 
+@_jit
+def _load_x(u_s, x_ptr, sx_m, sx_c, e0, E, SIN0: gl.constexpr, F: gl.constexpr,
+            ld_l: gl.constexpr):  # fmt: skip
+    """The tile's x into u (the m = 0 sin rows zero with SIN0)."""
+    part, edge, ok = _rows(e0, E, gl.SliceLayout(1, ld_l))
+    part, edge, ok = part[:, None], edge[:, None], ok[:, None]
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
+    for m in range(3):  # a loop, not unrolled: three loads in flight
+        okm = ok & ((part == 0) | (m != 0) | (not SIN0))
+        src = x_ptr + m * sx_m + (part * sx_c + edge * F + col)
+        for jb in gl.static_range(3):
+            u_s.index(m * 3 + jb).store(gl.load(src + 64 * jb, mask=okm, other=0.0))
+
+
+@_jit
+def _fwd_product(u_s, m, cb, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo, more,
+                 NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
+                 NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr,
+                 RB: gl.constexpr, NBOX: gl.constexpr, X3: gl.constexpr,
+                 FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
+                 a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """The tile's rows of order m (u, shared) times a matrix's NBOX boxes of 64
+    outputs: the ring sequence's chunks ``cb ..`` (the tile's first at count g0;
+    the sequence's regions as :func:`~.fused_ring._load_w` has them). The
+    accumulators, every product done; the forward's strict fp32 sums from zero in
+    one chunk."""
+    KS: gl.constexpr = 64 // BK  # K steps a box of u
+    a0, a1, a2 = zero, zero, zero
+    hi = gl.zeros([64, BK], wa.dtype, layout=a_l)
+    lo = hi
+    for jb in range(3):  # a box of u: 64 inputs, KS K steps
+        c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
+        for kh in gl.static_range(KS):
+            c = cb + KS * jb + kh
+            g = g0 + c
+            mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+            p_hi, p_lo = hi, lo
+            a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1), a_l, FMA)
+            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA,
+                                       BK, a_l, b_l)  # fmt: skip
+            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, NBOX, X3, 1, FMA)
+            _next_w(c, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
+                    g, more, STG, BK, X3)  # fmt: skip
+        a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, NBOX, X3, False)
+    return _retire(a0, a1, a2, hi, lo, NBOX, X3, 0, FMA)
+
+
+@_jit
+def _gated_layer(k: gl.constexpr, u_s, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo,
+                 more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B: gl.constexpr,
+                 ZALL: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr,
+                 KA: gl.constexpr, NBC: gl.constexpr, KB: gl.constexpr,
+                 NB: gl.constexpr, RB: gl.constexpr, X3: gl.constexpr,
+                 FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
+                 acc_l: gl.constexpr, a_l: gl.constexpr,
+                 b_l: gl.constexpr):  # fmt: skip
+    """Gated layer k on the tile, an order at a time, m = 0 first (its p gates the
+    others): u updated in place, z out (:func:`_fwd_epilogue`). Its W are the ring
+    sequence's matrices ``3 k ..``."""
+    for m in range(3):
+        a0, a1, a2 = _fwd_product(u_s, m, (k * 3 + m) * KA, g0, zero, ring, ready,
+                                  wa, wb, wa_lo, wb_lo, more, NCH, NA, KA, NBC, KB,
+                                  NB, RB, 3, X3, FMA, BK, STG, a_l,
+                                  b_l)  # fmt: skip
+        _fwd_epilogue(a0, 0, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
+                      192, acc_l)  # fmt: skip
+        _fwd_epilogue(a1, 1, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
+                      192, acc_l)  # fmt: skip
+        _fwd_epilogue(a2, 2, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
+                      192, acc_l)  # fmt: skip
+        gl.thread_barrier()
+
+
 @_jit(do_not_specialize=["E", "n_tiles"])
 def _fused_fwd_kernel(
     x_ptr, sx_m, sx_c, w_desc, wo_desc, wl_desc, wol_desc, b_ptr, bo_ptr, z_ptr, sz,
     y_ptr, sy_m, sy_c, E, n_tiles,
     K: gl.constexpr, HAS_B: gl.constexpr, HAS_BO: gl.constexpr, SIN0: gl.constexpr,
     X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
-    num_warps: gl.constexpr,
+    SLAB: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
-    KS: gl.constexpr = 64 // BK  # K steps a box of u
     KA: gl.constexpr = 192 // BK  # K steps a matrix
     NA: gl.constexpr = K * 3 * KA  # the gated layers' W chunks, [192, BK] each
     NCH: gl.constexpr = NA + 3 * KA  # and W_out's, [128, BK] (96 rows and past)
@@ -206,68 +274,33 @@ def _fused_fwd_kernel(
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
+    if SLAB:  # p through the program's own rows of z, a tile at a time
+        z_ptr = z_ptr + pid * (K * 6 * 32 * F)
     for cp in gl.static_range(STG - 1):
-        _load_w(cp, NA, KA, KA, 2, 96, w_desc, wo_desc, wl_desc, wol_desc, ring, ready,
-                cp, STG, BK, X3)  # fmt: skip
-    col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
+        _load_w(cp, NCH, NA, KA, 3 * KA, KA, 2, 96, w_desc, wo_desc, wl_desc,
+                wol_desc, ring, ready, cp, STG, BK, X3)  # fmt: skip
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     for it in range(n_mine):
         e0 = (pid + it * nprog) * 32
         more = it + 1 < n_mine
-        # 1. the tile's x into u (the m = 0 sin rows zero with SIN0)
-        part, edge, ok = _rows(e0, E, gl.SliceLayout(1, ld_l))
-        part, edge, ok = part[:, None], edge[:, None], ok[:, None]
-        for m in range(3):  # a loop, not unrolled: three loads in flight
-            okm = ok & ((part == 0) | (m != 0) | (not SIN0))
-            src = x_ptr + m * sx_m + (part * sx_c + edge * F + col)
-            for jb in gl.static_range(3):
-                u_s.index(m * 3 + jb).store(gl.load(src + 64 * jb, mask=okm, other=0.0))
+        ze0 = e0 if SLAB else 0
+        _load_x(u_s, x_ptr, sx_m, sx_c, e0, E, SIN0, F, ld_l)
         gl.thread_barrier()
-        # 2. the gated layers, then the output layer, an order at a time
         g0 = it * NCH
-        for k in gl.static_range(K + 1):
-            for m in range(3):
-                a0, a1, a2 = zero, zero, zero
-                hi = gl.zeros([64, BK], w_desc.dtype, layout=a_l)
-                lo = hi
-                for jb in range(3):  # a box of u: 64 inputs, KS K steps
-                    # the forward's strict fp32 sums from zero in one chunk
-                    c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
-                    for kh in gl.static_range(KS):
-                        c = (k * 3 + m) * KA + KS * jb + kh
-                        g = g0 + c
-                        mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                        p_hi, p_lo = hi, lo
-                        a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1),
-                                     a_l, FMA)  # fmt: skip
-                        c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                   _boxes_of(k, K), X3, FMA, BK, a_l,
-                                                   b_l)  # fmt: skip
-                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, _boxes_of(k, K),
-                                             X3, 1, FMA)  # fmt: skip
-                        _next_w(c, NCH, NA, KA, KA, 2, 96, w_desc, wo_desc,
-                                wl_desc, wol_desc, ring, ready, g, more, STG, BK,
-                                X3)  # fmt: skip
-                    a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, _boxes_of(k, K),
-                                       X3, False)  # fmt: skip
-                if k < K:
-                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
-                    _fwd_epilogue(
-                        a0, 0, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
-                    )
-                    _fwd_epilogue(
-                        a1, 1, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
-                    )
-                    _fwd_epilogue(
-                        a2, 2, k, m, u_s, b_ptr, z_ptr, sz, e0, E, HAS_B, F, acc_l
-                    )
-                    gl.thread_barrier()
-                else:
-                    a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 2, X3, 0, FMA)
-                    _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
-                                  SIN0, FO, acc_l)  # fmt: skip
-                    _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO,
-                                  SIN0, FO, acc_l)  # fmt: skip
+        for k in gl.static_range(K):
+            _gated_layer(k, u_s, g0, zero, ring, ready, w_desc, wo_desc, wl_desc,
+                         wol_desc, more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B,
+                         not SLAB, NCH, NA, KA, 3 * KA, KA, 2, 96, X3, FMA, BK, STG,
+                         acc_l, a_l, b_l)  # fmt: skip
+        for m in range(3):  # the output layer
+            a0, a1, a2 = _fwd_product(u_s, m, NA + m * KA, g0, zero, ring, ready,
+                                      w_desc, wo_desc, wl_desc, wol_desc, more, NCH,
+                                      NA, KA, 3 * KA, KA, 2, 96, 2, X3, FMA, BK, STG,
+                                      a_l, b_l)  # fmt: skip
+            _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO, SIN0, FO,
+                          acc_l)  # fmt: skip
+            _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO, SIN0, FO,
+                          acc_l)  # fmt: skip
         gl.thread_barrier()  # u is the next tile's
 
 
@@ -306,15 +339,16 @@ def _dy(a_s, dy_ptr, sd_m, sd_c, m, c0, e0, E,
 
 
 @_jit
-def _zp(z_ptr, sz, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
+def _zp(z_ptr, sz, ze0, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
         BK: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
-    """What ``dz_k`` of order m needs from global memory for inputs ``c0 ..``
-    (``[32, BK]`` each): p, and at m = 0 the z of the m = 1, 2 rows, cos and sin
-    (masked off, no traffic, at m > 0 and past F). Loaded a K step ahead."""
+    """What ``dz_k`` of order m needs from z (its rows edges less ``ze0``) for
+    inputs ``c0 ..`` (``[32, BK]`` each): p, and at m = 0 the z of the m = 1, 2
+    rows, cos and sin (masked off, no traffic, at m > 0 and past F). Loaded a K
+    step ahead."""
     edge, ok, col = _half(e0, E, c0, BK, t_l)
     ok = ok & (col < F)
     EF = sz.to(gl.int64)  # a plane of z
-    at = edge * F + col
+    at = (edge - ze0) * F + col
     p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)
     zm = ok & (m == 0)
     z1 = z_ptr + (k * 3 + 1) * 2 * EF + at
@@ -373,23 +407,28 @@ def _bwd_epilogue(acc, j: gl.constexpr, m, LAST: gl.constexpr, u_s,
 @_jit(do_not_specialize=["E", "n_tiles"])
 def _fused_bwd_kernel(
     dy_ptr, sd_m, sd_c, wt_desc, wot_desc, wtl_desc, wotl_desc, z_ptr, sz, dx_ptr,
-    sx_m, sx_c, E, n_tiles,
+    sx_m, sx_c, x_ptr, si_m, si_c, b_ptr, E, n_tiles,
     K: gl.constexpr, SIN0: gl.constexpr, X3: gl.constexpr, FMA: gl.constexpr,
-    BK: gl.constexpr, STG: gl.constexpr, num_warps: gl.constexpr,
+    BK: gl.constexpr, STG: gl.constexpr, RECOMP: gl.constexpr, HAS_B: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     F: gl.constexpr = 192
     FO: gl.constexpr = 96
     KS: gl.constexpr = 64 // BK  # K steps a box of du
     KH: gl.constexpr = 32 // BK  # K steps of 32 outputs of dy
-    KO: gl.constexpr = 96 // BK  # K steps of W_out^T, [192, BK] each, first
+    KO: gl.constexpr = 96 // BK  # K steps of W_out^T, [192, BK] each
     NO: gl.constexpr = 3 * KO
-    KA: gl.constexpr = 192 // BK  # then the gated layers' W^T, last layer first
-    NCH: gl.constexpr = NO + K * 3 * KA
+    KA: gl.constexpr = 192 // BK  # K steps of a gated layer's W or W^T
+    # the sequence: with RECOMP the gated layers' W first (NA chunks), then W_out^T,
+    # then the gated layers' W^T, last layer first
+    NA: gl.constexpr = K * 3 * KA if RECOMP else 0
+    NCH: gl.constexpr = NA + NO + K * 3 * KA
     BF16: gl.constexpr = wt_desc.dtype == gl.bfloat16
     acc_l: gl.constexpr = _acc_layout(FMA, BF16, num_warps)
     a_l: gl.constexpr = _operand_layout(acc_l, 0, FMA, BF16)
     b_l: gl.constexpr = _operand_layout(acc_l, 1, FMA, BF16)
     t_l: gl.constexpr = gl.BlockedLayout([1, BK // 8], [4, 8], [num_warps, 1], [1, 0])
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
     if BK == 32:
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX)
@@ -405,15 +444,28 @@ def _fused_bwd_kernel(
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
+    if RECOMP:  # z of a tile in the program's own rows, 32 edges
+        z_ptr = z_ptr + pid * (K * 6 * 32 * F)
     for cp in gl.static_range(STG - 1):
-        _load_w(cp, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc, wtl_desc, ring,
-                ready, cp, STG, BK, X3)  # fmt: skip
+        _load_w(cp, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc, wtl_desc,
+                wotl_desc, ring, ready, cp, STG, BK, X3)  # fmt: skip
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     gl.thread_barrier()
     for it in range(n_mine):
         e0 = (pid + it * nprog) * 32
         more = it + 1 < n_mine
         g0 = it * NCH
+        if RECOMP:  # 0. the gated layers again, from x: z of the tile
+            ze0 = e0
+            _load_x(u_s, x_ptr, si_m, si_c, e0, E, SIN0, F, ld_l)
+            gl.thread_barrier()
+            for k in gl.static_range(K):
+                _gated_layer(k, u_s, g0, zero, ring, ready, wt_desc, wot_desc,
+                             wtl_desc, wotl_desc, more, b_ptr, z_ptr, sz, ze0, e0, E,
+                             HAS_B, True, NCH, NA, KA, NO, KO, 3, 192, X3, FMA, BK,
+                             STG, acc_l, a_l, b_l)  # fmt: skip
+        else:
+            ze0 = 0
         # 1. du_K = W_out^T dy, an order at a time
         for m in range(3):
             a0, a1, a2 = zero, zero, zero
@@ -422,7 +474,7 @@ def _fused_bwd_kernel(
             for kc in range(3):  # 32 outputs of dy, KH K steps
                 c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                 for kh in gl.static_range(KH):
-                    c = m * KO + KH * kc + kh
+                    c = NA + m * KO + KH * kc + kh
                     g = g0 + c
                     p_hi, p_lo = hi, lo
                     a = _dy(a_s, dy_ptr, sd_m, sd_c, m, BK * (KH * kc + kh), e0, E,
@@ -431,8 +483,9 @@ def _fused_bwd_kernel(
                     c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, 3, X3,
                                                FMA, BK, a_l, b_l)  # fmt: skip
                     c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
-                    _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc, wotl_desc,
-                            wtl_desc, ring, ready, g, more, STG, BK, X3)  # fmt: skip
+                    _next_w(c, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc,
+                            wtl_desc, wotl_desc, ring, ready, g, more, STG, BK,
+                            X3)  # fmt: skip
                 a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
             a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
             _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
@@ -452,18 +505,18 @@ def _fused_bwd_kernel(
                 a2 = u_s.index(m * 3 + 2).load(acc_l)
                 hi = gl.zeros([64, BK], wt_desc.dtype, layout=a_l)
                 lo = hi
-                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, 0, e0, E, F, BK, t_l)
+                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, ze0, k, m, 0, e0, E, F, BK, t_l)
                 for jb in range(3):
                     c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                     for kh in gl.static_range(KS):
-                        c = NO + (kk * 3 + m) * KA + KS * jb + kh
+                        c = NA + NO + (kk * 3 + m) * KA + KS * jb + kh
                         g = g0 + c
                         p_hi, p_lo = hi, lo
                         q0, q1, q2, q3, q4 = n0, n1, n2, n3, n4
                         # the next K step's loads in flight while this one computes
                         c1st = 64 * jb + BK * kh + BK
-                        n0, n1, n2, n3, n4 = _zp(z_ptr, sz, k, m, c1st, e0, E, F, BK,
-                                                 t_l)  # fmt: skip
+                        n0, n1, n2, n3, n4 = _zp(z_ptr, sz, ze0, k, m, c1st, e0, E,
+                                                 F, BK, t_l)  # fmt: skip
                         a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l,
                                 FMA)  # fmt: skip
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
@@ -471,8 +524,8 @@ def _fused_bwd_kernel(
                                                    3, X3, FMA, BK, a_l,
                                                    b_l)  # fmt: skip
                         c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
-                        _next_w(c, NCH, NO, KO, KA, 3, 192, wot_desc, wt_desc,
-                                wotl_desc, wtl_desc, ring, ready, g, more, STG, BK,
+                        _next_w(c, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc,
+                                wtl_desc, wotl_desc, ring, ready, g, more, STG, BK,
                                 X3)  # fmt: skip
                     a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
                 a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
@@ -528,45 +581,65 @@ def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
     return sc
 
 
+def _slab(like: torch.Tensor, K: int, grid: int) -> tuple:
+    """Each program's own rows of z, 32 edges (a tile), and their plane stride:
+    what the gates need from z stays in L2, written and read back a tile at a
+    time."""
+    return like.new_empty((grid, K * 2 * N_ANG * 32 * F_IN)), 32 * F_IN
+
+
 def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
     """The stack on planes ``xp (3, 2, n, F)`` into planes ``yp (3, 2, n, F')``,
-    the pre-activations into ``z (K, 3, 2, n, F)`` (a cohort's rows of a
-    contiguous z; its m = 0 sin planes are not written), with the weights of
-    :func:`~ecekern.cohorts.fused_ring.forward_weights`. With ``sin0`` the m = 0
-    sin plane of x is not read and that of y not written. Shapes and precision
-    checked by the caller (:func:`why_not_fused`)."""
+    with the weights of :func:`~ecekern.cohorts.fused_ring.forward_weights`; the
+    pre-activations into ``z (K, 3, 2, n, F)`` (a cohort's rows of a contiguous z;
+    its m = 0 sin planes are not written), or with ``z=None`` only y (the gates' p
+    through each program's rows of an L2-sized slab). With ``sin0`` the m = 0 sin
+    plane of x is not read and that of y not written. Shapes and precision checked
+    by the caller (:func:`why_not_fused`)."""
     (w, wl), (wo, wol), b, bo, K, precision = prep
     n = xp.shape[2]
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
-    sz = _z_plane(z, K, n)
-    _fused_fwd_kernel[(_grid(n_tiles, xp.device),)](
+    grid = _grid(n_tiles, xp.device)
+    z, sz = _slab(xp, K, grid) if z is None else (z, _z_plane(z, K, n))
+    _fused_fwd_kernel[(grid,)](
         xp, xp.stride(0), xp.stride(1), w, wo, wl, wol,
         xp if b is None else b, xp if bo is None else bo, z, sz,
         yp, yp.stride(0), yp.stride(1), n, n_tiles, K=K, HAS_B=b is not None,
         HAS_BO=bo is not None, SIN0=sin0, X3=precision == "tf32x3",
-        FMA=precision == "ieee", BK=BK[precision], STG=STAGES, num_warps=WARPS,
+        FMA=precision == "ieee", BK=BK[precision], STG=STAGES, SLAB=z.ndim == 2,
+        num_warps=WARPS,
     )  # fmt: skip
 
 
-def backward(gp, prep: tuple, z, dxp, sin0: bool) -> None:
+def backward(gp, prep: tuple, z, dxp, sin0: bool, xp=None) -> None:
     """dx into planes ``dxp (3, 2, n, F)`` for the output gradient's planes
-    ``gp (3, 2, n, F')`` from the kept ``z (K, 3, 2, n, F)`` (as :func:`forward`
+    ``gp (3, 2, n, F')``: from the kept ``z (K, 3, 2, n, F)`` (as :func:`forward`
     wrote it), with the weights of
-    :func:`~ecekern.cohorts.fused_ring.backward_weights`; with ``sin0`` the m = 0
-    sin plane of the gradient is not read and that of dx not written."""
-    (wt, wtl), (wot, wotl), K, precision = prep
+    :func:`~ecekern.cohorts.fused_ring.backward_weights`; or, with ``z=None`` and
+    the stack's input planes ``xp``, recomputing each tile's z from x on chip (the
+    weights of ``backward_weights(..., biases=)``; xp may be dxp: a tile reads its
+    x before it writes its dx). With ``sin0`` the m = 0 sin planes of the gradient
+    and x are not read and that of dx not written."""
+    (wt, wtl), (wot, wotl), *b, K, precision = prep
     n = gp.shape[2]
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
-    sz = _z_plane(z, K, n)
-    _fused_bwd_kernel[(_grid(n_tiles, gp.device),)](
+    grid = _grid(n_tiles, gp.device)
+    recomp = z is None
+    if recomp != (xp is not None) or recomp != bool(b):
+        raise ValueError("backward: z, or x with the recomputing backward's weights")
+    z, sz = _slab(gp, K, grid) if recomp else (z, _z_plane(z, K, n))
+    b = b[0] if recomp else None
+    xp = gp if xp is None else xp
+    _fused_bwd_kernel[(grid,)](
         gp, gp.stride(0), gp.stride(1), wt, wot, wtl, wotl, z, sz, dxp,
-        dxp.stride(0), dxp.stride(1), n, n_tiles, K=K, SIN0=sin0,
+        dxp.stride(0), dxp.stride(1), xp, xp.stride(0), xp.stride(1),
+        gp if b is None else b, n, n_tiles, K=K, SIN0=sin0,
         X3=precision == "tf32x3", FMA=precision == "ieee", BK=BK[precision],
-        STG=STAGES, num_warps=WARPS,
+        STG=STAGES, RECOMP=recomp, HAS_B=b is not None, num_warps=WARPS,
     )  # fmt: skip
 
 
@@ -589,8 +662,13 @@ def fused_forward(xp, weights, biases, weight_out, bias_out, z, yp, sin0: bool,
 
 
 def fused_backward(gp, weights, weight_out, z, dxp, sin0: bool,
-                   precision: str = "tf32"):  # fmt: skip
+                   precision: str = "tf32", xp=None, biases=None):  # fmt: skip
     """:func:`backward` with the weights as the model holds them (a ValueError
-    where the kernels cannot serve the call, :func:`why_not_fused`)."""
+    where the kernels cannot serve the call, :func:`why_not_fused`); with
+    ``z=None``, from x (``xp``) and the gated layers' ``biases``."""
     _serves(gp, weight_out, precision)
-    backward(gp, backward_weights(weights, weight_out, precision), z, dxp, sin0)
+    if z is None and biases is None:
+        biases = [None] * len(weights)
+    prep = backward_weights(weights, weight_out, precision,
+                            biases if z is None else None)  # fmt: skip
+    backward(gp, prep, z, dxp, sin0, xp)

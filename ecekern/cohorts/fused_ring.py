@@ -39,7 +39,13 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["BK", "PRECISIONS", "STAGES", "backward_weights", "forward_weights"]
+__all__ = [
+    "BK",
+    "PRECISIONS",
+    "STAGES",
+    "backward_weights",
+    "forward_weights",
+]
 
 #: The shapes the kernels are written for: features, outputs, orders.
 F_IN, F_OUT, N_ANG = 192, 96, 3
@@ -239,43 +245,60 @@ def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
 
 
 @_jit
-def _load_w(c, NA: gl.constexpr, KA: gl.constexpr, KB: gl.constexpr,
-            NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo, wb_lo, ring, ready,
-            g, STG: gl.constexpr, BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
-    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` as
-    ``[64, BK]`` boxes (64 outputs, BK inputs): the first NA chunks from ``wa``
-    (three boxes each, ``KA`` K steps a matrix of 192 rows), then ``wb``'s (``NB``
-    boxes, ``KB`` K steps, a matrix every ``RB`` rows). A matrix is a
-    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
-    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
-    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
+            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
+            wa, wb, wa_lo, wb_lo, ring, ready, g, STG: gl.constexpr,
+            BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's NCH into ring stage ``s = g % STG`` as ``[64, BK]``
+    boxes (64 outputs, BK inputs): the first NA chunks from ``wa`` (three boxes
+    each, ``KA`` K steps a matrix of 192 rows), then NBC of ``wb`` (``NB`` boxes,
+    ``KB`` K steps, a matrix every ``RB`` rows), then ``wa``'s from chunk NA on.
+    A matrix is a ``[layer, order]`` block of rows of the descriptor's 2-d view;
+    rows past the view arrive as zeros. In 3xTF32 the remainders (``wa_lo``,
+    ``wb_lo``) follow the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
     s = g % STG
     if X3:
         b = 6 * s
     else:
         b = 3 * s
-    if c < NA:
-        _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, ready.index(s),
-               X3)  # fmt: skip
-    else:
-        _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
-               ready.index(s), X3)  # fmt: skip
+    bar = ready.index(s)
+    if NA + NBC == NCH:  # wa's, then wb's (the forward)
+        if c < NA:
+            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+        else:
+            _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
+                   bar, X3)  # fmt: skip
+    elif NA == 0:  # wb's, then wa's (the backward)
+        if c < NBC:
+            _boxes(wb, wb_lo, c // KB * RB, c % KB * BK, NB, ring, b, bar, X3)
+        else:
+            ca = c - NBC
+            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
+    else:  # wa's, wb's, wa's (the backward that recomputes the forward)
+        if c < NA:
+            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+        elif c < NA + NBC:
+            _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
+                   bar, X3)  # fmt: skip
+        else:
+            ca = c - NBC
+            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
 
 
 @_jit
 def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr, wa, wb, wa_lo,
-            wb_lo, ring, ready, g, more, STG: gl.constexpr, BK: gl.constexpr,
-            X3: gl.constexpr):  # fmt: skip
+            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
+            wa, wb, wa_lo, wb_lo, ring, ready, g, more, STG: gl.constexpr,
+            BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
     """After chunk c (global count g) retired its predecessor: chunk
     ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
     its end, the next tile's (if ``more``)."""
     if c + STG - 1 < NCH:
-        _load_w(c + STG - 1, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
-                g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo,
+                ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
     elif more:
-        _load_w(c + STG - 1 - NCH, NA, KA, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring,
-                ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1 - NCH, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo,
+                wb_lo, ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -303,29 +326,49 @@ def _descs(w2d: torch.Tensor, precision: str) -> tuple:
     return d, d
 
 
+def _stacked(weights, transposed: bool) -> torch.Tensor:
+    """The gated layers' W ``(K, 3, F, F)`` stacked: in the forward's order, or
+    each transposed, last layer first (the backward's)."""
+    if transposed:
+        return torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
+    return torch.stack([w.detach() for w in weights])
+
+
+def _biases(biases) -> torch.Tensor | None:
+    """The gated layers' biases ``(K, F)`` (zeros for None), or None for none."""
+    given = [bk for bk in biases if bk is not None]
+    if not given:
+        return None
+    return torch.stack([given[0].new_zeros(F_IN) if bk is None else bk.detach()
+                        for bk in biases]).contiguous()  # fmt: skip
+
+
 def forward_weights(weights, biases, weight_out, bias_out, precision="tf32") -> tuple:
     """The forward's weights as the kernel takes them, once a call: descriptors of
     the gated layers' W stacked ``(K 3 F, F)`` and of W_out ``(3 F', F)`` (each
     split in 3xTF32, rounded in bf16: ``_descs``), the biases ``(K, F)`` (zeros for
-    None) and
-    ``(F',)`` or None."""
+    None) and ``(F',)`` or None."""
     K = len(weights)
-    w = torch.stack([wk.detach() for wk in weights]).contiguous()
+    w = _stacked(weights, False).contiguous().view(K * N_ANG * F_IN, F_IN)
     wo = weight_out.detach().contiguous().view(N_ANG * F_OUT, F_IN)
-    b = None
-    if any(bk is not None for bk in biases):
-        b = torch.stack([w.new_zeros(F_IN) if bk is None else bk.detach()
-                         for bk in biases]).contiguous()  # fmt: skip
     bo = None if bias_out is None else bias_out.detach().contiguous()
-    w = w.view(K * N_ANG * F_IN, F_IN)
-    return _descs(w, precision), _descs(wo, precision), b, bo, K, precision
+    return (_descs(w, precision), _descs(wo, precision), _biases(biases), bo, K,
+            precision)  # fmt: skip
 
 
-def backward_weights(weights, weight_out, precision="tf32") -> tuple:
+def backward_weights(weights, weight_out, precision="tf32", biases=None) -> tuple:
     """The backward's: descriptors of the gated layers' W^T stacked last layer
-    first (the backward's order), ``(K 3 F, F)``, and of W_out^T ``(3 F, F')``."""
+    first (the backward's order), ``(K 3 F, F)``, and of W_out^T ``(3 F, F')``.
+    With ``biases`` (a list: the backward that recomputes the forward), the gated
+    layers' W in the forward's order come first, ``(2 K 3 F, F)``, and their
+    biases follow (``(K, F)`` or None)."""
     K = len(weights)
-    wt = torch.stack([w.detach().transpose(1, 2) for w in reversed(weights)])
-    wot = weight_out.detach().transpose(1, 2).contiguous()
-    wt = wt.contiguous().view(K * N_ANG * F_IN, F_IN)
-    return _descs(wt, precision), _descs(wot.view(-1, F_OUT), precision), K, precision
+    w = _stacked(weights, True)
+    if biases is not None:
+        w = torch.cat([_stacked(weights, False), w])
+    w = w.contiguous().view(-1, F_IN)
+    wot = weight_out.detach().transpose(1, 2).contiguous().view(-1, F_OUT)
+    got = (_descs(w, precision), _descs(wot, precision))
+    if biases is not None:
+        got += (_biases(biases),)
+    return (*got, K, precision)

@@ -278,7 +278,6 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     c = spans[0][1]
     if stack:
         prep = _fused.forward_weights(weights, biases, weight_out, bias_out, precision)
-        zc = None if keep else x_cos.new_empty((K, n_ang, 2, c, F))
     else:
         ws = _weights((*weights, weight_out), precision)
         bs = [None if b is None else b.contiguous() for b in (*biases, bias_out)]
@@ -292,7 +291,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
         dst = yP[:, :, a:b] if xp is not None else yp[:, :, :n]
         zk = z[:, :, :, a:b] if keep else None
         if stack:
-            _fused.forward(src, prep, zk if keep else zc[:, :, :, :n], dst, sin0_zero)
+            _fused.forward(src, prep, zk, dst, sin0_zero)  # zk None: y only
         else:
             _forward_cohort(src, n, zk, ws, bs, u, dst, F, FO, n_ang, precision,
                             tiles, dt, keep, sin0_zero)  # fmt: skip
@@ -407,33 +406,29 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     if not spans:
         return dx_cos, dx_sin
     c = spans[0][1]
-    zc = x_cos.new_empty((K, n_ang, 2, c, F))
     xp = _as_planes(x_cos, x_sin)
-    if stack:  # the whole forward again (its y into gp's shape), then the backward
-        fwd = _fused.forward_weights(weights, biases, weight_out, None, precision)
-        bwd = _fused.backward_weights(weights, weight_out, precision)
-        gp, du = _fused_buffers(x_cos, n_ang, c, F, FO, True,
+    if stack:  # one kernel: each tile's z made again on chip, then its backward
+        prep = _fused.backward_weights(weights, weight_out, precision, biases)
+        gp, du = _fused_buffers(x_cos, n_ang, c, F, FO, gP is None,
                                 xp is None or dxP is None)  # fmt: skip
     else:
+        zc = x_cos.new_empty((K, n_ang, 2, c, F))
         ws = _weights(weights, precision)
         wt = _transposed(weights, weight_out, precision)
         bs = [None if b is None else b.contiguous() for b in biases]
         gp, du, dz = _backward_buffers(x_cos, n_ang, c, F, FO)
     for a, b in spans:
         n = b - a
-        src = _rows_in(xp, a, b, du[0], x_cos, x_sin, sin0_zero)
-        # the gated layers only (z_1 .. z_K), through the dz buffers
-        zk = zc[:, :, :, :n]
-        if stack:
-            _fused.forward(src, fwd, zk, gp[:, :, :n], sin0_zero)  # y: scratch
-        else:
-            _forward_cohort(src, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
+        xs = _rows_in(xp, a, b, du[0], x_cos, x_sin, sin0_zero)
+        if not stack:  # the gated layers only (z_1 .. z_K), through the dz buffers
+            zk = zc[:, :, :, :n]
+            _forward_cohort(xs, n, zk, ws, [*bs, None], dz, None, F, FO, n_ang,
                             precision, tiles, dt, True, sin0_zero)  # fmt: skip
         src = _rows_in(gP, a, b, gp, g_cos, g_sin, sin0_zero)
         final = dxP[:, :, a:b] if dxP is not None else None
-        if stack:  # (du[0] is du[1]: the forward has read x's rows)
+        if stack:  # (du[0] is du[1]: a tile reads its x before it writes its dx)
             res = du[1][:, :, :n] if final is None else final
-            _fused.backward(src, bwd, zk, res, sin0_zero)
+            _fused.backward(src, prep, None, res, sin0_zero, xs)
         else:
             res = _backward_cohort(src, n, zk, wt, du, dz, F, FO, n_ang, precision,
                                    tiles, dt, sin0_zero, final)  # fmt: skip
