@@ -1206,6 +1206,12 @@ def test_stack_why_not_and_z_layout():
                             yp, False, "tf32x3")  # fmt: skip
     with pytest.raises(TypeError, match="float32"):
         layers_mod.split_tf32(torch.zeros(3, 4, 4, dtype=torch.float64))
+    big = torch.empty(3, 2, 11_200_000, 192, device="meta")  # 2**31 values a plane
+    for bad in (big, big.transpose(0, 1)):
+        with pytest.raises(ValueError, match="fewer than 2"):
+            fused._check_index(x=bad)
+    ok = torch.empty(3, 2, 11_000_000, 192, device="meta")
+    fused._check_index(x=ok, y=ok[:, :, 5:10])  # and a cohort's rows of it
     z = torch.empty(2, 3, 2, 100, 192)
     assert fused._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
     for bad in (z.transpose(3, 4)[..., :192, :100], torch.empty(2, 3, 2, 40, 192)[:1]):

@@ -129,11 +129,11 @@ def _rows(e0, E, layout: gl.constexpr):
 @_jit
 def _fwd_epilogue(acc, j: gl.constexpr, k: gl.constexpr, m, u_s,
                   b_ptr, z_ptr, sz, ze0, e0, E, HAS_B: gl.constexpr,
-                  ZALL: gl.constexpr, F: gl.constexpr,
+                  ZALL: gl.constexpr, ZEV: gl.constexpr, F: gl.constexpr,
                   acc_l: gl.constexpr):  # fmt: skip
     """Outputs ``64 j ..`` of order m of gated layer k: ``u += gate(z)``; z's m = 0
     cos row p out (the other orders' gates read it), and with ZALL the m >= 1 rows
-    too. z's rows are edges less ``ze0``."""
+    too. z's rows are edges less ``ze0``; ZEV: z's L2 eviction policy."""
     part, edge, ok = _rows(e0, E, gl.SliceLayout(1, acc_l))
     col = 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
     part, edge, ok = part[:, None], edge[:, None], ok[:, None]
@@ -144,13 +144,17 @@ def _fwd_epilogue(acc, j: gl.constexpr, k: gl.constexpr, m, u_s,
             acc = acc + gl.where(part == 0, gl.load(b_ptr + k * F + col)[None, :], 0.0)
         s = _sigmoid(acc)
         g = gl.where(part == 0, acc * s, acc)  # SiLU on p; the m = 0 sin passes
-        gl.store(z_ptr + k * 6 * EF + at, acc, mask=ok & (part == 0))
+        gl.store(
+            z_ptr + k * 6 * EF + at, acc, mask=ok & (part == 0), eviction_policy=ZEV
+        )
     else:
-        p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)  # z's m = 0 cos
+        p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0, eviction_policy=ZEV)
         g = acc * _sigmoid(p)
         if ZALL:
             at = at + part * sz  # the sin plane follows the cos plane
-            gl.store(z_ptr + (k * 3 + m) * 2 * EF + at, acc, mask=ok)
+            gl.store(
+                z_ptr + (k * 3 + m) * 2 * EF + at, acc, mask=ok, eviction_policy=ZEV
+            )
     box = u_s.index(m * 3 + j)
     box.store(box.load(acc_l) + g)
 
@@ -168,8 +172,8 @@ def _out_epilogue(acc, j: gl.constexpr, m, bo_ptr, y_ptr, sy_m, sy_c,
         acc = acc + gl.where((part == 0) & (m == 0), bias[None, :], 0.0)
     if SIN0:
         ok = ok & ((part == 0) | (m != 0))
-    ptr = y_ptr + m * sy_m + (part * sy_c + edge * FO + col[None, :])
-    gl.store(ptr, acc, mask=ok & (col < FO)[None, :])
+    ptr = y_ptr + m * sy_m.to(gl.int64) + (part * sy_c + edge * FO + col[None, :])
+    gl.store(ptr, acc, mask=ok & (col < FO)[None, :], eviction_policy="evict_first")
 
 
 @_jit
@@ -181,9 +185,12 @@ def _load_x(u_s, x_ptr, sx_m, sx_c, e0, E, SIN0: gl.constexpr, F: gl.constexpr,
     col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))[None, :]
     for m in range(3):  # a loop, not unrolled: three loads in flight
         okm = ok & ((part == 0) | (m != 0) | (not SIN0))
-        src = x_ptr + m * sx_m + (part * sx_c + edge * F + col)
+        src = x_ptr + m * sx_m.to(gl.int64) + (part * sx_c + edge * F + col)
         for jb in gl.static_range(3):
-            u_s.index(m * 3 + jb).store(gl.load(src + 64 * jb, mask=okm, other=0.0))
+            xv = gl.load(
+                src + 64 * jb, mask=okm, other=0.0, eviction_policy="evict_first"
+            )
+            u_s.index(m * 3 + jb).store(xv)
 
 
 @_jit
@@ -222,7 +229,8 @@ def _fwd_product(u_s, m, cb, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo, more,
 @_jit
 def _gated_layer(k: gl.constexpr, u_s, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo,
                  more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B: gl.constexpr,
-                 ZALL: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr,
+                 ZALL: gl.constexpr, ZEV: gl.constexpr, NCH: gl.constexpr,
+                 NA: gl.constexpr,
                  KA: gl.constexpr, NBC: gl.constexpr, KB: gl.constexpr,
                  NB: gl.constexpr, RB: gl.constexpr, X3: gl.constexpr,
                  FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
@@ -237,11 +245,11 @@ def _gated_layer(k: gl.constexpr, u_s, g0, zero, ring, ready, wa, wb, wa_lo, wb_
                                   NB, RB, 3, X3, FMA, BK, STG, a_l,
                                   b_l)  # fmt: skip
         _fwd_epilogue(a0, 0, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      192, acc_l)  # fmt: skip
+                      ZEV, 192, acc_l)  # fmt: skip
         _fwd_epilogue(a1, 1, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      192, acc_l)  # fmt: skip
+                      ZEV, 192, acc_l)  # fmt: skip
         _fwd_epilogue(a2, 2, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      192, acc_l)  # fmt: skip
+                      ZEV, 192, acc_l)  # fmt: skip
         gl.thread_barrier()
 
 
@@ -263,6 +271,8 @@ def _fused_fwd_kernel(
     a_l: gl.constexpr = _operand_layout(acc_l, 0, FMA, BF16)
     b_l: gl.constexpr = _operand_layout(acc_l, 1, FMA, BF16)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    # x, y stream through L2; a program's slab of z stays there, a kept z need not
+    ZEV: gl.constexpr = "evict_last" if SLAB else "evict_first"
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
     ring = gl.allocate_shared_memory(
         w_desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], w_desc.layout
@@ -290,8 +300,8 @@ def _fused_fwd_kernel(
         for k in gl.static_range(K):
             _gated_layer(k, u_s, g0, zero, ring, ready, w_desc, wo_desc, wl_desc,
                          wol_desc, more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B,
-                         not SLAB, NCH, NA, KA, 3 * KA, KA, 2, 96, X3, FMA, BK, STG,
-                         acc_l, a_l, b_l)  # fmt: skip
+                         not SLAB, ZEV, NCH, NA, KA, 3 * KA, KA, 2, 96, X3, FMA, BK,
+                         STG, acc_l, a_l, b_l)  # fmt: skip
         for m in range(3):  # the output layer
             a0, a1, a2 = _fwd_product(u_s, m, NA + m * KA, g0, zero, ring, ready,
                                       w_desc, wo_desc, wl_desc, wol_desc, more, NCH,
@@ -329,18 +339,20 @@ def _dy(a_s, dy_ptr, sd_m, sd_c, m, c0, e0, E,
         t_l: gl.constexpr, FMA: gl.constexpr):  # fmt: skip
     """Outputs ``c0 ..`` of dy of order m as an A operand."""
     edge, ok, col = _half(e0, E, c0, BK, t_l)
-    src = dy_ptr + m * sd_m + edge * FO + col
-    lo = gl.load(src, mask=ok, other=0.0)
+    src = dy_ptr + m * sd_m.to(gl.int64) + edge * FO + col
+    lo = gl.load(src, mask=ok, other=0.0, eviction_policy="evict_first")
     if SIN0:
-        hi = gl.load(src + sd_c, mask=ok & (m != 0), other=0.0)
+        hi = gl.load(
+            src + sd_c, mask=ok & (m != 0), other=0.0, eviction_policy="evict_first"
+        )
     else:
-        hi = gl.load(src + sd_c, mask=ok, other=0.0)
+        hi = gl.load(src + sd_c, mask=ok, other=0.0, eviction_policy="evict_first")
     return _to_a(a_s, lo, hi, BK, a_l, FMA)
 
 
 @_jit
-def _zp(z_ptr, sz, ze0, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
-        BK: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
+def _zp(z_ptr, sz, ze0, k: gl.constexpr, m, c0, e0, E, ZEV: gl.constexpr,
+        F: gl.constexpr, BK: gl.constexpr, t_l: gl.constexpr):  # fmt: skip
     """What ``dz_k`` of order m needs from z (its rows edges less ``ze0``) for
     inputs ``c0 ..`` (``[32, BK]`` each): p, and at m = 0 the z of the m = 1, 2
     rows, cos and sin (masked off, no traffic, at m > 0 and past F). Loaded a K
@@ -349,14 +361,14 @@ def _zp(z_ptr, sz, ze0, k: gl.constexpr, m, c0, e0, E, F: gl.constexpr,
     ok = ok & (col < F)
     EF = sz.to(gl.int64)  # a plane of z
     at = (edge - ze0) * F + col
-    p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0)
+    p = gl.load(z_ptr + k * 6 * EF + at, mask=ok, other=0.0, eviction_policy=ZEV)
     zm = ok & (m == 0)
     z1 = z_ptr + (k * 3 + 1) * 2 * EF + at
     z2 = z_ptr + (k * 3 + 2) * 2 * EF + at
-    z1c = gl.load(z1, mask=zm, other=0.0)
-    z1s = gl.load(z1 + EF, mask=zm, other=0.0)
-    z2c = gl.load(z2, mask=zm, other=0.0)
-    z2s = gl.load(z2 + EF, mask=zm, other=0.0)
+    z1c = gl.load(z1, mask=zm, other=0.0, eviction_policy=ZEV)
+    z1s = gl.load(z1 + EF, mask=zm, other=0.0, eviction_policy=ZEV)
+    z2c = gl.load(z2, mask=zm, other=0.0, eviction_policy=ZEV)
+    z2s = gl.load(z2 + EF, mask=zm, other=0.0, eviction_policy=ZEV)
     return p, z1c, z1s, z2c, z2s
 
 
@@ -398,8 +410,8 @@ def _bwd_epilogue(acc, j: gl.constexpr, m, LAST: gl.constexpr, u_s,
         part, edge, ok = part[:, None], edge[:, None], ok[:, None]
         if SIN0:
             ok = ok & ((part == 0) | (m != 0))
-        ptr = dx_ptr + m * sx_m + (part * sx_c + edge * F + col[None, :])
-        gl.store(ptr, acc, mask=ok)
+        ptr = dx_ptr + m * sx_m.to(gl.int64) + (part * sx_c + edge * F + col[None, :])
+        gl.store(ptr, acc, mask=ok, eviction_policy="evict_first")
     else:
         u_s.index(m * 3 + j).store(acc)
 
@@ -429,6 +441,7 @@ def _fused_bwd_kernel(
     b_l: gl.constexpr = _operand_layout(acc_l, 1, FMA, BF16)
     t_l: gl.constexpr = gl.BlockedLayout([1, BK // 8], [4, 8], [num_warps, 1], [1, 0])
     ld_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    ZEV: gl.constexpr = "evict_last" if RECOMP else "evict_first"
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
     if BK == 32:
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX)
@@ -462,7 +475,7 @@ def _fused_bwd_kernel(
             for k in gl.static_range(K):
                 _gated_layer(k, u_s, g0, zero, ring, ready, wt_desc, wot_desc,
                              wtl_desc, wotl_desc, more, b_ptr, z_ptr, sz, ze0, e0, E,
-                             HAS_B, True, NCH, NA, KA, NO, KO, 3, 192, X3, FMA, BK,
+                             HAS_B, True, ZEV, NCH, NA, KA, NO, KO, 3, 192, X3, FMA, BK,
                              STG, acc_l, a_l, b_l)  # fmt: skip
         else:
             ze0 = 0
@@ -505,7 +518,9 @@ def _fused_bwd_kernel(
                 a2 = u_s.index(m * 3 + 2).load(acc_l)
                 hi = gl.zeros([64, BK], wt_desc.dtype, layout=a_l)
                 lo = hi
-                n0, n1, n2, n3, n4 = _zp(z_ptr, sz, ze0, k, m, 0, e0, E, F, BK, t_l)
+                n0, n1, n2, n3, n4 = _zp(
+                    z_ptr, sz, ze0, k, m, 0, e0, E, ZEV, F, BK, t_l
+                )
                 for jb in range(3):
                     c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                     for kh in gl.static_range(KS):
@@ -516,7 +531,7 @@ def _fused_bwd_kernel(
                         # the next K step's loads in flight while this one computes
                         c1st = 64 * jb + BK * kh + BK
                         n0, n1, n2, n3, n4 = _zp(z_ptr, sz, ze0, k, m, c1st, e0, E,
-                                                 F, BK, t_l)  # fmt: skip
+                                                 ZEV, F, BK, t_l)  # fmt: skip
                         a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l,
                                 FMA)  # fmt: skip
                         mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
@@ -581,6 +596,18 @@ def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
     return sc
 
 
+def _check_index(**planes) -> None:
+    """The kernels index a plane in int32 (the order's offset in int64): a
+    ValueError for a plane of 2**31 values or more, or a part stride as large."""
+    for name, P in planes.items():
+        n, width = P.shape[2], P.shape[3]
+        if n * width >= 2**31 or P.stride(1) >= 2**31 or P.stride(2) != width:
+            raise ValueError(
+                f"{name} {tuple(P.shape)} with strides {P.stride()}: the fused stack "
+                "takes planes of fewer than 2**31 values, rows contiguous"
+            )
+
+
 def _slab(like: torch.Tensor, K: int, grid: int) -> tuple:
     """Each program's own rows of z, 32 edges (a tile), and their plane stride:
     what the gates need from z stays in L2, written and read back a tile at a
@@ -601,6 +628,7 @@ def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
+    _check_index(x=xp, y=yp)
     grid = _grid(n_tiles, xp.device)
     z, sz = _slab(xp, K, grid) if z is None else (z, _z_plane(z, K, n))
     _fused_fwd_kernel[(grid,)](
@@ -627,6 +655,7 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool, xp=None) -> None:
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
+    _check_index(dy=gp, dx=dxp, **({} if xp is None else {"x": xp}))
     grid = _grid(n_tiles, gp.device)
     recomp = z is None
     if recomp != (xp is not None) or recomp != bool(b):
