@@ -80,8 +80,10 @@ class Options:
             the step no slower); True or False everywhere.
         cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
         cohort_recompute: with ``cohorts``, recompute the stack's forward in the
-            backward (the least memory: chapter 6); False keeps the
-            pre-activations, and a force step's backward runs no linear twice.
+            backward (the least memory: chapter 6; with a fused stack its
+            forward writes only y and one backward kernel makes each tile's z
+            again on chip); False keeps the pre-activations, and a force step's
+            backward runs no linear twice.
             Either way the model keeps none of the stack's input: a backward that
             reads it makes it again by the rotation. For the largest systems, also
             set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA

@@ -21,7 +21,9 @@ inputs at a time, four warps each taking half the rows. The epilogue applies bia
 gate and residual and writes the order's new state back in place (the orders are
 block-diagonal: nothing else reads it), and z to global memory. The gate's
 ``s = sigmoid(p)`` of an edge's m >= 1 rows comes from the m = 0 cos row of z,
-which the same program wrote an order before.
+which the same program wrote an order before. Without a z to keep the forward
+writes only y: p goes through the program's own rows of a slab (32 edges, reused
+tile after tile, so it stays in L2).
 
 The backward holds du the same way: ``W_out^T dy`` first, then for each gated layer
 the orders, m = 0 first (its ``dz`` needs ``t = sum_(m>=1) du_m z_m`` of rows not
@@ -30,7 +32,10 @@ yet overwritten); ``dz`` is made BK inputs at a time from du, the kept z and p
 products through a ``[64, BK]`` buffer. The accumulators start at du: the residual.
 In 3xTF32 and strict fp32 each chunk of inputs (64; 32 of dy in the first stage) is
 summed from zero and added to them in fp32, so that the roundings of a long sum are
-relative to the chunk's sum, not to du's.
+relative to the chunk's sum, not to du's. The recomputing backward (``RECOMP``,
+from x instead of a kept z) first runs each tile's gated layers again, as the
+forward does, into its program's slab of z, then the tile's backward from there: it
+writes only dx. The weights' sequence then has three parts: W, W_out^T, W^T.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
 feature), any order and part strides below 2**31, rows contiguous;
@@ -41,10 +46,14 @@ Bytes (DRAM), in activations of ``2 n F n_ang`` values (cos and sin): the forwar
 reads x and writes y and z (five of the six planes of each z_k),
 ``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
-kernels' 6.3 and 9.6 (with ``sin0``). L2: all the weights, once a tile each way
-(twice in 3xTF32: the TF32 part and the remainder; half in bf16).
-FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included; three
-times that on the tensor cores in 3xTF32.
+kernels' 6.3 and 9.6 (with ``sin0``). Recomputing: the forward reads x and
+writes y (``1 + F'/F``, 1.25 with ``sin0``), the backward reads x and dy and writes
+dx (``2 + F'/F``, 2.1), and z of a tile, ``K 5/6`` activations of 32 edges, goes to
+L2 and back. L2: all the weights, once a tile each way, twice in the recomputing
+backward (twice that in 3xTF32: the TF32 part and the remainder; half in bf16).
+FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included, and
+``4 n_ang K F^2 n`` more in the recomputing backward; three times that on the
+tensor cores in 3xTF32.
 
 Precision (the weights' ring and the products: :mod:`~ecekern.cohorts.fused_ring`),
 float32 rows only: ``"ieee"`` (strict fp32 FMAs; the backward chunked as 3xTF32,
@@ -53,8 +62,9 @@ or ``"bf16"`` (rows rounded to bf16 in registers and W once a call; fp32 sums).
 
 Status: n_ang = 3, F = 192, F' = 96, CUDA with validated Gluon (sm_90); option
 ``cohort_fused="ieee-stack"``, ``"tf32x3-stack"``, ``"tf32-stack"`` or
-``"bf16-stack"``; compiles for sm_90 without a GPU (tests); its GPU tests compare
-it with the fp64 reference by the three-way rule at its precision.
+``"bf16-stack"`` (with ``cohort_recompute``: y only, and the recomputing
+backward); compiles for sm_90 without a GPU (tests); its GPU tests compare it with
+the fp64 reference by the three-way rule at its precision, both ways.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ and the force step's backward (no parameter gradients), from the kept ``z_k``::
     dx = du_0
 
 or, recomputing (:func:`stack_recompute_backward`), from x: each cohort's gated
-layers run forward again into a cohort-sized z before its backward. With
+layers run forward again into a cohort-sized z before its backward (the fused
+stack: each tile's, on chip, in its backward kernel). With
 ``sin0_zero`` the m = 0 sin column of x is taken as zero (the m = 0 order has no
 sin part); that plane then stays zero through every layer, and the kernels skip it
 (``SIN0``): ``2 n_ang - 1`` products a layer instead of ``2 n_ang`` (five instead
@@ -255,7 +256,7 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
     ``sin0_zero``: ``x_sin[..., 0]`` is taken as zero (not read), so that the m = 0
     sin part of every layer is zero and skipped: ``y_sin[..., 0] = 0``, and the
     m = 0 sin planes of z, ``z[:, 0, 1]``, are not written (they would be zero; no
-    backward reads them)."""
+    backward reads them). A fused stack without ``keep`` writes only y."""
     _flags(keep=keep, sin0_zero=sin0_zero)
     if not isinstance(x_cos, torch.Tensor):
         raise TypeError(f"x_cos must be an (E, F, n_ang) tensor, got {x_cos!r:.60}")
@@ -383,12 +384,15 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
                              sin0_zero: bool = False):  # fmt: skip
     """``(dx_cos, dx_sin)`` as :func:`stack_backward`, from the stack's input x
     (``(E, F, n_ang)``, any strides) instead of a kept z: each cohort's gated
-    layers run forward again into a cohort's z, then its backward. ``biases``: the
-    K gated layers' (the output layer's bias plays no part in dx). With
-    ``sin0_zero`` (as the forward had it), ``x_sin[..., 0]`` and ``g_sin[..., 0]``
-    are not read and ``dx_sin[..., 0] = 0``. Nothing of size E but x, g and dx:
-    the scratch is about ``(K + 5) 2 c F n_ang`` values for ``c = cohort_edges``;
-    the price is one more forward of the gated layers."""
+    layers run forward again into a cohort's z, then its backward; a fused stack
+    (:data:`STACKS`) runs both in one kernel, each tile's z in L2, no z of the
+    cohort. ``biases``: the K gated layers' (the output layer's bias plays no part
+    in dx). With ``sin0_zero`` (as the forward had it), ``x_sin[..., 0]`` and
+    ``g_sin[..., 0]`` are not read and ``dx_sin[..., 0] = 0``. Nothing of size E
+    but x, g and dx: the scratch is about ``(K + 5) 2 c F n_ang`` values for
+    ``c = cohort_edges`` (at most ``2 (2 + F'/F) c F n_ang`` for a fused stack,
+    only for rows that are not planes); the price is one more forward of the gated
+    layers."""
     _flags(sin0_zero=sin0_zero)
     for name, t in (("x_cos", x_cos), ("g_cos", g_cos)):
         if not isinstance(t, torch.Tensor):
