@@ -1210,6 +1210,14 @@ def test_stack_why_not_and_z_layout():
     for bad in (big, big.transpose(0, 1)):
         with pytest.raises(ValueError, match="fewer than 2"):
             fused._check_index(x=bad)
+    gp, dxp = torch.zeros(3, 2, 5, 96), torch.zeros(3, 2, 5, 192)
+    kept, recomputing = ((None, None), (None, None), 2, "tf32"), (
+        (None, None), (None, None), None, 2, "tf32")  # fmt: skip
+    z1 = torch.zeros(1)  # (never read: the arguments disagree first)
+    for prep, z, x in ((kept, None, xp), (recomputing, z1, None), (kept, None, None),
+                       (recomputing, None, None)):  # fmt: skip
+        with pytest.raises(ValueError, match="kept z, or x"):
+            fused.backward(gp, prep, z, dxp, False, x)
     ok = torch.empty(3, 2, 11_000_000, 192, device="meta")
     fused._check_index(x=ok, y=ok[:, :, 5:10])  # and a cohort's rows of it
     z = torch.empty(2, 3, 2, 100, 192)

@@ -80,12 +80,11 @@ from .fused_ring import (
     _chunk,
     _fold,
     _jit,
+    _kstep,
     _load_w,
-    _next_w,
     _operand,
     _operand_layout,
     _retire,
-    _step,
     backward_weights,
     forward_weights,
 )
@@ -281,17 +280,13 @@ def _fused_bwd_kernel(
                 c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                 for kh in gl.static_range(KH):
                     c = NA + m * KO + KH * kc + kh
-                    g = g0 + c
-                    p_hi, p_lo = hi, lo
                     a = _dy(a_s, dy_ptr, sd_m, sd_c, m, BK * (KH * kc + kh), e0, E,
                             SIN0, FO, BK, a_l, t_l, FMA)  # fmt: skip
-                    mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                    c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, 3, X3,
-                                               FMA, BK, a_l, b_l)  # fmt: skip
-                    c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
-                    _next_w(c, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc,
-                            wtl_desc, wotl_desc, ring, ready, g, more, STG, BK,
-                            X3)  # fmt: skip
+                    c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, ring,
+                                                ready, more, wt_desc, wot_desc,
+                                                wtl_desc, wotl_desc, 3, NCH, NA, KA,
+                                                NO, KO, 3, 192, X3, FMA, BK, STG, a_l,
+                                                b_l)  # fmt: skip
                 a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
             a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
             _bwd_epilogue(a0, 0, m, False, u_s, dx_ptr, sx_m, sx_c, e0, E, SIN0, F,
@@ -318,8 +313,6 @@ def _fused_bwd_kernel(
                     c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                     for kh in gl.static_range(KS):
                         c = NA + NO + (kk * 3 + m) * KA + KS * jb + kh
-                        g = g0 + c
-                        p_hi, p_lo = hi, lo
                         q0, q1, q2, q3, q4 = n0, n1, n2, n3, n4
                         # the next K step's loads in flight while this one computes
                         c1st = 64 * jb + BK * kh + BK
@@ -327,14 +320,12 @@ def _fused_bwd_kernel(
                                                  ZEV, F, BK, t_l)  # fmt: skip
                         a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l,
                                 FMA)  # fmt: skip
-                        mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-                        c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2,
-                                                   3, X3, FMA, BK, a_l,
-                                                   b_l)  # fmt: skip
-                        c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, 3, X3, 1, FMA)
-                        _next_w(c, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc,
-                                wtl_desc, wotl_desc, ring, ready, g, more, STG, BK,
-                                X3)  # fmt: skip
+                        c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2,
+                                                    ring, ready, more, wt_desc,
+                                                    wot_desc, wtl_desc, wotl_desc, 3,
+                                                    NCH, NA, KA, NO, KO, 3, 192, X3,
+                                                    FMA, BK, STG, a_l,
+                                                    b_l)  # fmt: skip
                     a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
                 a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
                 gl.thread_barrier()  # every K step read du of this order
@@ -444,15 +435,16 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool, xp=None) -> None:
     x before it writes its dx). With ``sin0`` the m = 0 sin planes of the gradient
     and x are not read and that of dx not written."""
     (wt, wtl), (wot, wotl), *b, K, precision = prep
+    recomp = z is None
+    if recomp != (xp is not None) or recomp != bool(b):
+        raise ValueError("the fused backward takes a kept z, or x (z=None) with the "
+                         "recomputing backward's weights (their biases)")  # fmt: skip
     n = gp.shape[2]
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
     _check_index(dy=gp, dx=dxp, **({} if xp is None else {"x": xp}))
     grid = _grid(n_tiles, gp.device)
-    recomp = z is None
-    if recomp != (xp is not None) or recomp != bool(b):
-        raise ValueError("backward: z, or x with the recomputing backward's weights")
     z, sz = _slab(gp, K, grid) if recomp else (z, _z_plane(z, K, n))
     b = b[0] if recomp else None
     xp = gp if xp is None else xp

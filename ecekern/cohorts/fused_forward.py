@@ -48,12 +48,11 @@ from .fused_ring import (
     _chunk,
     _fold,
     _jit,
+    _kstep,
     _load_w,
-    _next_w,
     _operand,
     _operand_layout,
     _retire,
-    _step,
 )
 
 if gluon is not None:
@@ -178,15 +177,11 @@ def _fwd_product(u_s, m, cb, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo, more,
         c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
         for kh in gl.static_range(KS):
             c = cb + KS * jb + kh
-            g = g0 + c
-            mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
-            p_hi, p_lo = hi, lo
             a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1), a_l, FMA)
-            c0, c1, c2, hi, lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA,
-                                       BK, a_l, b_l)  # fmt: skip
-            c0, c1, c2 = _retire(c0, c1, c2, p_hi, p_lo, NBOX, X3, 1, FMA)
-            _next_w(c, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready,
-                    g, more, STG, BK, X3)  # fmt: skip
+            c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, ring, ready,
+                                        more, wa, wb, wa_lo, wb_lo, NBOX, NCH, NA, KA,
+                                        NBC, KB, NB, RB, X3, FMA, BK, STG, a_l,
+                                        b_l)  # fmt: skip
         a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, NBOX, X3, False)
     return _retire(a0, a1, a2, hi, lo, NBOX, X3, 0, FMA)
 

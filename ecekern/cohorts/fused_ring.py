@@ -301,6 +301,26 @@ def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
                 wb_lo, ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
 
 
+@_jit
+def _kstep(a, hi, lo, c, g, c0, c1, c2, ring, ready, more, wa, wb, wa_lo, wb_lo,
+           NBOX: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
+           NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
+           X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
+           a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """K step c of a tile's weight sequence (count g), A operand ``a``: wait for
+    its boxes, issue the products with NBOX of them (:func:`_step`), retire the step
+    before (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the
+    stage that frees (:func:`_next_w`). The accumulators and this step's
+    operands."""
+    mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
+    c0, c1, c2, n_hi, n_lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA, BK,
+                                   a_l, b_l)  # fmt: skip
+    c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NBOX, X3, 1, FMA)
+    _next_w(c, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready, g, more,
+            STG, BK, X3)  # fmt: skip
+    return c0, c1, c2, n_hi, n_lo
+
+
 # --------------------------------------------------------------------------------------
 # host: the weights as the ring streams them
 # --------------------------------------------------------------------------------------
