@@ -1207,9 +1207,12 @@ def test_stack_why_not_and_z_layout():
     with pytest.raises(TypeError, match="float32"):
         layers_mod.split_tf32(torch.zeros(3, 4, 4, dtype=torch.float64))
     big = torch.empty(3, 2, 11_200_000, 192, device="meta")  # 2**31 values a plane
-    for bad in (big, big.transpose(0, 1)):
+    near = torch.empty(3, 2, 11_150_000, 192, device="meta")  # sin part + rows: over
+    for bad, n in ((big, 11_200_000), (near[:, :, :65536], 65536)):
         with pytest.raises(ValueError, match="fewer than 2"):
-            fused._check_index(x=bad)
+            fused._check_planes(n, x=(bad, 192))
+    with pytest.raises(ValueError, match="not the fused stack's planes"):
+        fused._check_planes(7, x=(torch.zeros(3, 2, 8, 192), 192))
     gp, dxp = torch.zeros(3, 2, 5, 96), torch.zeros(3, 2, 5, 192)
     kept, recomputing = ((None, None), (None, None), 2, "tf32"), (
         (None, None), (None, None), None, 2, "tf32")  # fmt: skip
@@ -1218,8 +1221,10 @@ def test_stack_why_not_and_z_layout():
                        (recomputing, None, None)):  # fmt: skip
         with pytest.raises(ValueError, match="kept z, or x"):
             fused.backward(gp, prep, z, dxp, False, x)
-    ok = torch.empty(3, 2, 11_000_000, 192, device="meta")
-    fused._check_index(x=ok, y=ok[:, :, 5:10])  # and a cohort's rows of it
+    ok = torch.empty(3, 2, 5_000_000, 192, device="meta")
+    fused._check_planes(5, x=(ok[:, :, 5:10], 192))  # a cohort's rows of it
+    zbig = torch.empty(2, 3, 2, 2_500_000, 192, device="meta")  # 6 E F > 2**31: fine
+    assert fused._z_plane(zbig[:, :, :, :100], 2, 100) == 2_500_000 * 192
     z = torch.empty(2, 3, 2, 100, 192)
     assert fused._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
     for bad in (z.transpose(3, 4)[..., :192, :100], torch.empty(2, 3, 2, 40, 192)[:1]):

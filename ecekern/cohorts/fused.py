@@ -25,9 +25,10 @@ forward does, into its program's slab of z, then the tile's backward from there:
 writes only dx. The weights' sequence then has three parts: W, W_out^T, W^T.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
-feature), any order and part strides below 2**31, rows contiguous;
-``z (K, n_ang, 2, n, F)`` a cohort's rows of a contiguous z; weights as
-``ecekern.cohorts.layers``.
+feature), rows contiguous, a plane's sin part and rows within 2**31 values (the
+order's offset is int64: :func:`_check_planes`); ``z (K, n_ang, 2, n, F)`` a
+cohort's rows of a contiguous z, or each program's slab ``(K n_ang 2 32 F)`` in
+the recomputing backward; weights as ``ecekern.cohorts.layers``.
 
 Bytes (DRAM), in activations of ``2 n F n_ang`` values (cos and sin): the forward
 reads x and writes y and z (five of the six planes of each z_k),
@@ -35,7 +36,7 @@ reads x and writes y and z (five of the six planes of each z_k),
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
 kernels' 6.3 and 9.6 (with ``sin0``). Recomputing: the forward reads x and
 writes y (``1 + F'/F``, 1.25 with ``sin0``), the backward reads x and dy and writes
-dx (``2 + F'/F``, 2.1), and z of a tile, ``K 5/6`` activations of 32 edges, goes to
+dx (``2 + F'/F``, 2.1 with ``sin0``), and z of a tile, ``K 5/6`` activations of 32 edges, goes to
 L2 and back. L2: all the weights, once a tile each way, twice in the recomputing
 backward (twice that in 3xTF32: the TF32 part and the remainder; half in bf16).
 FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included, and
@@ -371,24 +372,31 @@ def why_not_fused(F: int, FO: int, n_ang: int, dtype, device_type: str,
 
 def _z_plane(z: torch.Tensor, K: int, n: int) -> int:
     """The plane stride of ``z (K, 3, 2, n, F)``, planes one after another (a
-    cohort's rows of a contiguous z are)."""
+    cohort's rows of a contiguous z are). The kernels offset a plane in int64 and
+    index within one, sin part included, in int32."""
     sk, sm, sc, se, sf = z.stride()
     if z.shape != (K, N_ANG, 2, n, F_IN) or (sf, se) != (1, F_IN) or sm != 2 * sc \
-            or sk != N_ANG * sm or N_ANG * sm >= 2**31:  # fmt: skip
+            or sk != N_ANG * sm or sc + n * F_IN >= 2**31:  # fmt: skip
         raise ValueError(f"z {tuple(z.shape)} with strides {z.stride()} is not a "
                          "cohort's rows of a contiguous (K, 3, 2, E, F)")  # fmt: skip
     return sc
 
 
-def _check_index(**planes) -> None:
-    """The kernels index a plane in int32 (the order's offset in int64): a
-    ValueError for a plane of 2**31 values or more, or a part stride as large."""
-    for name, P in planes.items():
-        n, width = P.shape[2], P.shape[3]
-        if n * width >= 2**31 or P.stride(1) >= 2**31 or P.stride(2) != width:
+def _check_planes(n: int, **planes) -> None:
+    """Each ``name=(P, width)``: planes ``(3, 2, n, width)``, rows contiguous, that
+    the kernels can index: an order's offset in int64, the rest (sin part, edge,
+    feature) in int32, so ``P.stride(1) + n width < 2**31``. A ValueError
+    otherwise."""
+    for name, (P, width) in planes.items():
+        if tuple(P.shape) != (N_ANG, 2, n, width):
+            raise ValueError(f"{name} is {tuple(P.shape)}, not the fused stack's "
+                             f"planes ({N_ANG}, 2, {n}, {width})")  # fmt: skip
+        if P.stride(1) + n * width >= 2**31 or P.stride(2) != width or \
+                P.stride(3) != 1:  # fmt: skip
             raise ValueError(
                 f"{name} {tuple(P.shape)} with strides {P.stride()}: the fused stack "
-                "takes planes of fewer than 2**31 values, rows contiguous"
+                "takes planes whose sin part and rows span fewer than 2**31 values, "
+                "rows contiguous"
             )
 
 
@@ -412,7 +420,7 @@ def forward(xp, prep: tuple, z, yp, sin0: bool) -> None:
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
-    _check_index(x=xp, y=yp)
+    _check_planes(n, x=(xp, F_IN), y=(yp, F_OUT))
     grid = _grid(n_tiles, xp.device)
     z, sz = _slab(xp, K, grid) if z is None else (z, _z_plane(z, K, n))
     _fused_fwd_kernel[(grid,)](
@@ -443,7 +451,8 @@ def backward(gp, prep: tuple, z, dxp, sin0: bool, xp=None) -> None:
     n_tiles = triton.cdiv(n, 32)
     if n_tiles == 0:
         return
-    _check_index(dy=gp, dx=dxp, **({} if xp is None else {"x": xp}))
+    _check_planes(n, dy=(gp, F_OUT), dx=(dxp, F_IN),
+                  **({} if xp is None else {"x": (xp, F_IN)}))  # fmt: skip
     grid = _grid(n_tiles, gp.device)
     z, sz = _slab(gp, K, grid) if recomp else (z, _z_plane(z, K, n))
     b = b[0] if recomp else None

@@ -26,13 +26,13 @@ reused tile after tile, so it stays in L2). x and y stream through L2
 (``evict_first``); the slab stays (``evict_last``).
 
 Shapes: planes ``x (n_ang, 2, n, F)``, ``y (n_ang, 2, n, F')`` (order, cos/sin,
-edge, feature), order and part strides below 2**31, rows contiguous;
+edge, feature), rows contiguous, a plane's sin part and rows within 2**31 values;
 ``z (K, n_ang, 2, n, F)`` a cohort's rows of a contiguous z, or the slab
 ``(programs, K n_ang 2 32 F)``.
 
 Bytes (DRAM), in activations of ``2 n F n_ang`` values: reads x, writes y and z
 (five of the six planes of each z_k), ``1 + F'/F + 5 K / 6``: 3.2 at K = 2,
-F' = F/2 (2.9 with ``sin0``); y only, ``1 + F'/F`` (1.25). L2: all the weights,
+F' = F/2 (2.9 with ``sin0``); y only, ``1 + F'/F``: 1.5 (1.25). L2: all the weights,
 once a tile. FLOPs: ``4 n_ang (K F^2 + F' F) n``, the m = 0 sin rows included;
 three times that on the tensor cores in 3xTF32.
 

@@ -11,12 +11,14 @@ TF32; in bf16 (a rounded in registers, W once a call); or in 3xTF32 as
 (:func:`~ecekern.cohorts.layer_kernels.split_tf32`), the small products first.
 
 Shapes: the gated layers' W stacked ``(K 3 F, F)`` (W^T, last layer first, for the
-backward), W_out ``(3 F', F)`` (W_out^T ``(3 F, F')``); a ring stage holds three
+backward; both, ``(2 K 3 F, F)``, for the backward that recomputes the forward),
+W_out ``(3 F', F)`` (W_out^T ``(3 F, F')``); a ring stage holds three
 boxes or three of each part (3xTF32), ``3 x 64 x BK x 4`` bytes a part (half that
 in bf16).
 
-Bytes: every program reads all the weights once a tile each way, from L2 (twice in
-3xTF32, half in bf16); 72 KiB of shared memory at ``STAGES = 3`` (36 KiB in
+Bytes: every program reads all the weights once a tile each way, from L2, the
+gated layers' twice in the recomputing backward (twice that in 3xTF32, half in
+bf16); 72 KiB of shared memory at ``STAGES = 3`` (36 KiB in
 bf16).
 
 Status: used by :mod:`ecekern.cohorts.fused` (sm_90); compiled for sm_90 without a

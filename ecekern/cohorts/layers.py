@@ -390,8 +390,9 @@ def stack_recompute_backward(x_cos, x_sin, g_cos, g_sin, weights, biases,
     in dx). With ``sin0_zero`` (as the forward had it), ``x_sin[..., 0]`` and
     ``g_sin[..., 0]`` are not read and ``dx_sin[..., 0] = 0``. Nothing of size E
     but x, g and dx: the scratch is about ``(K + 5) 2 c F n_ang`` values for
-    ``c = cohort_edges`` (at most ``2 (2 + F'/F) c F n_ang`` for a fused stack,
-    only for rows that are not planes); the price is one more forward of the gated
+    ``c = cohort_edges`` (for a fused stack at most ``2 (1 + F'/F) c F n_ang``,
+    only for rows that are not planes, and each program's slab of z, ``6 K 32 F``
+    values); the price is one more forward of the gated
     layers."""
     _flags(sin0_zero=sin0_zero)
     for name, t in (("x_cos", x_cos), ("g_cos", g_cos)):
