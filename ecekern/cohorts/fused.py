@@ -35,10 +35,11 @@ reads x and writes y and z (five of the six planes of each z_k),
 ``1 + F'/F + 5 K / 6``; the backward reads dy and z and writes dx, the same. At
 K = 2, F' = F/2 that is 3.2 each way (2.9 with ``sin0``), against the layer
 kernels' 6.3 and 9.6 (with ``sin0``). Recomputing: the forward reads x and
-writes y (``1 + F'/F``, 1.25 with ``sin0``), the backward reads x and dy and writes
-dx (``2 + F'/F``, 2.1 with ``sin0``), and z of a tile, ``K 5/6`` activations of 32 edges, goes to
-L2 and back. L2: all the weights, once a tile each way, twice in the recomputing
-backward (twice that in 3xTF32: the TF32 part and the remainder; half in bf16).
+writes y (``1 + F'/F``, 1.25 with ``sin0``), the backward reads x and dy and
+writes dx (``2 + F'/F``, 2.1 with ``sin0``), and z of a tile, ``K 5/6``
+activations of 32 edges, goes to L2 and back. L2: all the weights, once a tile
+each way, twice in the recomputing backward (twice that in 3xTF32: the TF32 part
+and the remainder; half in bf16).
 FLOPs: ``4 n_ang (K F^2 + F' F) n`` each way, the m = 0 sin rows included, and
 ``4 n_ang K F^2 n`` more in the recomputing backward; three times that on the
 tensor cores in 3xTF32.
