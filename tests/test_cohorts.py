@@ -1232,6 +1232,57 @@ def test_stack_why_not_and_z_layout():
             fused._z_plane(bad, 2, 40)
 
 
+@pytest.mark.parametrize("planes", [True, False], ids=["planes", "copied_rows"])
+def test_stack_dispatch_keep_and_recompute(monkeypatch, planes):
+    """Without a GPU: what layers hands the fused launchers, the kernels replaced by
+    the launchers' own checks. Keeping z, the forward gets a cohort's z and the
+    backward reads it; recomputing, the forward gets no z (y only) and the backward
+    gets x instead; every planes tensor passes the launchers' index checks."""
+    from ecekern.cohorts import fused
+
+    calls = []
+
+    def forward(xp, prep, z, yp, sin0):
+        n = xp.shape[2]
+        fused._check_planes(n, x=(xp, 192), y=(yp, 96))
+        if z is not None:
+            fused._z_plane(z, 2, n)
+        calls.append(("forward", n, z is not None))
+
+    def backward(gp, prep, z, dxp, sin0, xp=None):
+        n = gp.shape[2]
+        x = {} if xp is None else {"x": (xp, 192)}
+        fused._check_planes(n, dy=(gp, 96), dx=(dxp, 192), **x)
+        if z is not None:
+            fused._z_plane(z, 2, n)
+        calls.append(("backward", n, z is not None, xp is not None))
+
+    monkeypatch.setattr(layers_mod, "_checked", lambda x, w, wo, p, dt: wo.shape)
+    monkeypatch.setattr(layers_mod, "_resolve", lambda p, *a: ("tf32", True))
+    for name, fn in (("forward", forward), ("backward", backward),
+                     ("forward_weights", lambda *a: None),
+                     ("backward_weights", lambda *a: None)):  # fmt: skip
+        monkeypatch.setattr(fused, name, fn)
+    _, ws, bs, wo, _ = _fused_args(1, 2, 3, True, dtype=torch.float32, F=192, Fo=96)
+    X = _planes_rows(5003, 192, "cpu", 1, False)
+    G = _planes_rows(5003, 96, "cpu", 2, False)
+    x = (X[:, 0].permute(1, 2, 0), X[:, 1].permute(1, 2, 0))
+    g = (G[:, 0].permute(1, 2, 0), G[:, 1].permute(1, 2, 0))
+    if not planes:
+        x, g = [t.contiguous() for t in x], [t.contiguous() for t in g]
+    kw = {"cohort_edges": 2048, "sin0_zero": True}
+    z = layers_mod.stack_forward(*x, ws, bs, wo, None, "tf32-stack", **kw)[2]
+    layers_mod.stack_backward(z, *g, ws, wo, "tf32-stack", **kw)
+    assert calls == [("forward", n, True) for n in (2048, 2048, 907)] + [
+        ("backward", n, True, False) for n in (2048, 2048, 907)]  # fmt: skip
+    calls.clear()
+    y = layers_mod.stack_forward(*x, ws, bs, wo, None, "tf32-stack", keep=False, **kw)
+    assert y[2] is None
+    layers_mod.stack_recompute_backward(*x, *g, ws, bs, wo, "tf32-stack", **kw)
+    assert calls == [("forward", n, False) for n in (2048, 2048, 907)] + [
+        ("backward", n, False, True) for n in (2048, 2048, 907)]  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_gpu_physics_with_the_layer_kernels(monkeypatch):
     """What an MD user checks, with the stack on the layer kernels on CUDA, in
