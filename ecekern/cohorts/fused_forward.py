@@ -60,8 +60,8 @@ if gluon is not None:
 
 __all__ = ["WARPS"]
 
-#: Warps a program: two warpgroups, each half of every product's outputs (on the FMA
-#: units, four warps each half the rows).
+#: Warps a program, two warpgroups, each half of every product's outputs (on the FMA
+#: units four warps each half the rows).
 WARPS = 8
 
 
