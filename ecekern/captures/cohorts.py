@@ -99,8 +99,9 @@ def capture(
 def _ncu(out: Path, which: str | None = None) -> str:
     """Nsight Compute on the layer kernels, forward and force backward, at each
     precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
-    stacks (:func:`~ecekern.captures.targets.cohorts_stack`); ``which``: ``"layers"``
-    or ``"stack"`` for one of them."""
+    stacks, keeping z and recomputing it
+    (:func:`~ecekern.captures.targets.cohorts_stack`, ``cohorts_stack_recompute``);
+    ``which``: ``"layers"``, ``"stack"`` or ``"recompute"`` for one of them."""
     if which not in (None, "", "layers", "stack", "recompute"):
         raise ValueError(f"ncu={which!r}: 'layers', 'stack' or 'recompute'")
     done = []
