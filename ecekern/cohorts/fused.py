@@ -26,7 +26,7 @@ writes only dx. The weights' sequence then has three parts: W, W_out^T, W^T.
 
 Shapes: planes ``x, y, dy, dx (n_ang, 2, n, width)`` (order, cos/sin, edge,
 feature), rows contiguous, a plane's sin part and rows within 2**31 values (the
-order's offset is int64: :func:`_check_planes`); ``z (K, n_ang, 2, n, F)`` a
+order's offset is int64: ``_check_planes``); ``z (K, n_ang, 2, n, F)`` a
 cohort's rows of a contiguous z, or each program's slab ``(K n_ang 2 32 F)`` in
 the recomputing backward; weights as ``ecekern.cohorts.layers``.
 
