@@ -87,12 +87,13 @@ from .fused_ring import (
     _operand,
     _operand_layout,
     _retire,
+    _ring,
     backward_weights,
     forward_weights,
 )
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    pass
 
 __all__ = [
     "backward",
@@ -241,12 +242,7 @@ def _fused_bwd_kernel(
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX)
     else:
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX16)
-    ring = gl.allocate_shared_memory(
-        wt_desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], wt_desc.layout
-    )
-    ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STG):
-        mbarrier.init(ready.index(i), count=1)
+    ring, ready = _ring(wt_desc, X3, STG, BK)
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)

@@ -53,10 +53,11 @@ from .fused_ring import (
     _operand,
     _operand_layout,
     _retire,
+    _ring,
 )
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    pass
 
 __all__ = ["WARPS"]
 
@@ -234,12 +235,7 @@ def _fused_fwd_kernel(
     # x, y stream through L2; a program's slab of z stays there, a kept z need not
     ZEV: gl.constexpr = "evict_last" if SLAB else "evict_first"
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
-    ring = gl.allocate_shared_memory(
-        w_desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], w_desc.layout
-    )
-    ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STG):
-        mbarrier.init(ready.index(i), count=1)
+    ring, ready = _ring(w_desc, X3, STG, BK)
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)

@@ -304,6 +304,19 @@ def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
 
 
 @_jit
+def _ring(desc, X3: gl.constexpr, STG: gl.constexpr, BK: gl.constexpr):
+    """The weights' ring in shared memory, STG stages of three ``[64, BK]`` boxes of
+    ``desc``'s type (six in 3xTF32), and a barrier a stage, initialised."""
+    ring = gl.allocate_shared_memory(
+        desc.dtype, [6 * STG if X3 else 3 * STG, 64, BK], desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STG, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STG):
+        mbarrier.init(ready.index(i), count=1)
+    return ring, ready
+
+
+@_jit
 def _kstep(a, hi, lo, c, g, c0, c1, c2, ring, ready, more, wa, wb, wa_lo, wb_lo,
            NBOX: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
