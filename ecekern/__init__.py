@@ -18,6 +18,7 @@ from .graph import Graph, build_graph, neighbor_list
 from .graph_step import GraphStep
 from .linear import EquivariantLinear
 from .model import ECEConfig, ECEModel, energy_and_forces
+from .plan import StepPlan, plan_for
 from .zonal import zonal_scatter
 
 __version__ = "0.1.0"
@@ -38,10 +39,12 @@ __all__ = [
     "EquivariantLinear",
     "Graph",
     "GraphStep",
+    "StepPlan",
     "build_graph",
     "energy_and_forces",
     "neighbor_list",
     "options",
+    "plan_for",
     "reference",
     "so3",
     "systems",

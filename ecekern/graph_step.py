@@ -51,6 +51,7 @@ import torch
 from . import options
 from .graph import Graph, check_graph
 from .model import ECEModel
+from .plan import plan_for
 
 __all__ = ["GraphStep", "StepResult", "strained"]
 
@@ -291,8 +292,8 @@ class GraphStep:
             self._capture()
         if self._baked != self._state():
             log.warning(
-                "GraphStep: the model's parameters moved or the options changed "
-                "since the capture; capturing again"
+                "GraphStep: the model's parameters moved or the step plan changed "
+                "(options, TF32) since the capture; capturing again"
             )
             self._capture()
         self._graph.replay()
@@ -300,9 +301,15 @@ class GraphStep:
 
     def _state(self) -> tuple:
         """What a capture bakes in besides the buffers: where the parameters are,
-        the options and the TF32 switch that chose the kernels."""
+        and the step plan that chose the kernels (options and TF32 switch)."""
         params = tuple(p.data_ptr() for p in self.model.parameters())
-        return params, options.current(), torch.backends.cuda.matmul.allow_tf32
+        return params, plan_for(self.model, self.device, self.dtype)
+
+    @property
+    def plan(self):
+        """The :class:`~ecekern.plan.StepPlan` of the captured step (None before
+        the first capture, or when eager)."""
+        return None if self._graph is None else self._baked[1]
 
 
 def _round_up(n: int) -> int:

@@ -1,10 +1,11 @@
 """The model: an SO(3)-invariant potential with SO(2) convolutions in edge frames.
 
 ``ECEModel(config)(positions, numbers, graph) -> energy`` runs the stages of the
-book's chapter 1 with the functions of :mod:`ecekern.reference` (or, when the options
-switch them on, their fast twins). Each stage runs inside a
-``torch.profiler.record_function("ece::<stage>")`` range, so a profile shows the time
-by stage. Forces are ``-dE/dx`` by autograd (:func:`energy_and_forces`).
+book's chapter 1 with the functions of :mod:`ecekern.reference`, or their fast
+twins: the step plan (:mod:`ecekern.plan`) says which, once per device, dtype and
+options. Each stage runs inside a ``torch.profiler.record_function("ece::<stage>")``
+range, so a profile shows the time by stage. Forces are ``-dE/dx`` by autograd
+(:func:`energy_and_forces`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import cohorts, edge_frame, options, reference, so3, zonal
+from . import cohorts, edge_frame, reference, so3, zonal
 from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
+from .plan import StepPlan, kernel_precision
+from .plan import plan_for as _plan_for
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
 
@@ -171,28 +174,40 @@ class _Interaction(nn.Module):
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
 
 
-def _cohort_stack(layer: _Interaction, x_cos, x_sin, x_rebuild=None):
-    """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
-    the layer's own EquivariantLinear path and the ``cohort_edges``,
-    ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
-    is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
-    layer kernels skip it (``sin0_zero``); the linears compute on it as it is (a
-    zeroed copy would be one more activation kept), also where the kernels were
-    asked for and fall back (then ``mixing_stack`` zeroes a copy itself).
-    ``x_rebuild`` makes the rows again (:meth:`ECEModel._rebuild`): the stack then
-    keeps none of them."""
-    path, now = layer.out.path, options.current()
-    fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
+def _cohort_stack(layer: _Interaction, plan, x_cos, x_sin, x_rebuild=None):
+    """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, as the
+    plan says: its kernels (or the linears on the plan's path), precision, cohort
+    size and memory strategy. The rows' m = 0 sin column is zero by construction
+    (:func:`ecekern.reference.rotate_and_select`), so the kernels skip it
+    (``sin0_zero``); the linears compute on it as it is (a zeroed copy would be one
+    more activation kept). ``x_rebuild`` makes the rows again
+    (:meth:`ECEModel._rebuild`): the stack then keeps none of them."""
 
     def linear(xc, xs, w, b):
-        return equivariant_linear(xc, xs, w, b, path)
+        return equivariant_linear(xc, xs, w, b, plan.linear)
 
+    kernels = plan.kernels
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
-        [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        now.cohort_edges, now.cohort_recompute, fused, sin0_zero=fused is not None,
+        [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias,
+        linear=linear, cohort_edges=plan.cohort_edges,
+        recompute=plan.memory == "recompute", kernels=kernels,
+        precision=kernel_precision(plan.precision), sin0_zero=kernels is not None,
         x_rebuild=x_rebuild,
     )  # fmt: skip
+
+
+def _plain_stack(layer: _Interaction, plan, x_cos, x_sin):
+    """The layer's mixing stack with plain autograd, the linears on the plan's
+    path."""
+    u_cos, u_sin = x_cos, x_sin
+    for lin in layer.gated:
+        z_cos, z_sin = equivariant_linear(u_cos, u_sin, lin.weight, lin.bias,
+                                          plan.linear)  # fmt: skip
+        g_cos, g_sin = reference.gate(z_cos, z_sin)
+        u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
+    out = layer.out
+    return equivariant_linear(u_cos, u_sin, out.weight, out.bias, plan.linear)
 
 
 def species_table(cfg: ECEConfig) -> torch.Tensor:
@@ -346,6 +361,11 @@ class ECEModel(nn.Module):
                     f"graph.{name} is on {t.device}, positions on {positions.device}"
                 )
 
+    def plan(self, device=None, dtype=None) -> StepPlan:
+        """The :class:`~ecekern.plan.StepPlan` a force step takes on ``device`` in
+        ``dtype`` (default: the parameters'), with the options in force now."""
+        return _plan_for(self, device, dtype)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -378,9 +398,11 @@ class ECEModel(nn.Module):
     def atom_energies(
         self, positions, numbers, graph: Graph, gauge=None
     ) -> torch.Tensor:
-        """Per-atom energies ``(N,)``."""
+        """Per-atom energies ``(N,)``, by the stages of :meth:`plan`."""
         self._check(positions, numbers, graph)
         check_graph(graph)  # a graph made by hand, once; build_graph's are checked
+        plan = self.plan(positions.device, positions.dtype)
+        plan.announce()
         cfg = self.config
         L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
         N = positions.shape[0]
@@ -397,12 +419,16 @@ class ECEModel(nn.Module):
             D = so3.edge_frames(L, r, gauge)  # (E, S, S)
             # chapter 3: D packed once for every edge-frame op of the step (or None:
             # the reference's stages)
-            frames = edge_frame.frames_for(D, M, graph.src, graph.dst, N, graph.row_ptr)
+            frames = None
+            if plan.edge_frame != "reference":
+                frames = edge_frame.frames_for(
+                    D, M, graph.src, graph.dst, N, graph.row_ptr, plan.edge_frame
+                )
         with record_function("ece::gie"):
             Z = reference.zonal_rows(D)
             args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
             # the graph's CSR is checked (check_graph): no host syncs here
-            if options.zonal_fused(Z.device.type):
+            if plan.zonal == "fused":
                 h_rest = zonal.zonal_scatter(*args, validate=False)
             else:
                 h_rest = reference.zonal_scatter(*args, validate=False)
@@ -413,9 +439,7 @@ class ECEModel(nn.Module):
             h = torch.cat([h0, h_rest[:, 1:]], dim=1)  # (N, S, C)
         # chapter 6's layer kernels read the rows as planes: the rotation writes
         # them so (and the stack's output and gradients stay so), with no copies
-        planes = options.cohorts_on(positions.device.type) and (
-            options.cohort_precision(positions.device.type, positions.dtype) is not None
-        )
+        planes = plan.planes
         for layer, rho_t in zip(
             self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
         ):
@@ -431,18 +455,12 @@ class ECEModel(nn.Module):
                     x_cos = x_cos * rho_t[:, :, None]
                     x_sin = x_sin * rho_t[:, :, None]
             with record_function("ece::mixing_stack"):
-                if options.cohorts_on(x_cos.device.type):  # chapter 6
+                if plan.cohorts:  # chapter 6
                     rebuild = self._rebuild(frames, h, rho_t, graph, D, M, planes)
-                    y_cos, y_sin = _cohort_stack(layer, x_cos, x_sin, rebuild)
+                    y_cos, y_sin = _cohort_stack(layer, plan, x_cos, x_sin, rebuild)
                     del rebuild
                 else:
-                    options.warn_unused_cohort_options(x_cos.device.type)
-                    u_cos, u_sin = x_cos, x_sin
-                    for lin in layer.gated:
-                        z_cos, z_sin = lin(u_cos, u_sin)
-                        g_cos, g_sin = reference.gate(z_cos, z_sin)
-                        u_cos, u_sin = u_cos + g_cos, u_sin + g_sin
-                    y_cos, y_sin = layer.out(u_cos, u_sin)
+                    y_cos, y_sin = _plain_stack(layer, plan, x_cos, x_sin)
             if frames is not None:  # the message never leaves the registers
                 with record_function("ece::pack_and_unrotate"):
                     delta = frames.unrotate_and_aggregate(y_cos, y_sin, k, env)

@@ -1,32 +1,49 @@
-"""Switches for the fast paths, and loud fallbacks.
+"""Which implementation each stage may use, and loud fallbacks.
 
-On CUDA the defaults take every validated fast path; on the CPU the reference runs.
-One typed object, :class:`Options`, says which implementation each stage uses. The
-process-wide value comes from the defaults, overridden by environment variables
-``ECEKERN_<FIELD>`` (``ECEKERN_REFERENCE=1``, ``ECEKERN_LINEAR=dense``), and can be
-changed for a block of code with :func:`use`. A bad value is a ValueError naming the
-variable when ``ecekern`` is imported; an ``ECEKERN_`` name that nothing reads (a
-misspelt option) is a warning there; ``ECEKERN_COHORTS`` empty or ``auto`` is the
-default (on for CUDA tensors)::
+One typed, frozen object, :class:`Options`, holds the requests: one field per stage
+(``linear``, ``zonal``, ``edge_frame``, ``stack``, ``memory``), one ``precision``
+axis for the mixing stack's products, and ``reference``, the one switch to the
+einsum reference everywhere. Every field's default is ``"auto"`` (the measured
+choice: every validated fast path on CUDA, the reference on the CPU). The options do
+not choose kernels themselves: the step plan (:func:`ecekern.plan.plan_for`) reads
+them once per (device, dtype, TF32, shapes, options), resolves ``"auto"``, checks
+what can serve, and hands each op its implementation as an argument.
+
+The options in force come from three layers, the later winning:
+
+1. the defaults;
+2. environment variables ``ECEKERN_<FIELD>`` (``ECEKERN_REFERENCE=1``,
+   ``ECEKERN_STACK=linears``), read when a plan is made: overrides for experiments;
+3. :func:`use` (a block) and :func:`set_options` (from here on), held in a
+   :class:`contextvars.ContextVar`, so each thread and each asyncio task sees its
+   own: a ``use`` block in one thread never changes another's kernels.
+
+::
 
     with ecekern.options.use(reference=True):   # the einsum reference everywhere
         energy, forces = ecekern.energy_and_forces(model, atoms)
+    with ecekern.options.use(stack="fused", precision="3xtf32"):
+        ...                                      # the fused Gluon stack (sm_90)
 
-A fast path that cannot serve a call never fails silently: :func:`fallback` warns once
-per reason (:class:`FallbackWarning`) and the reference runs instead; a fast kernel
-that hands a call to a slower one says so once too (:class:`SlowerKernelWarning`).
+A bad value is a ValueError (an ``ECEKERN_`` variable's names the variable, also at
+import); an ``ECEKERN_`` name that nothing reads (a misspelt option) is a warning at
+import. Requests that cannot be combined are errors when the plan is made; requests
+that change nothing (``precision`` for a float64 model, say) warn once.
+
+A fast path that cannot serve a call never fails silently: :func:`fallback` warns
+once per reason (:class:`FallbackWarning`) and another path runs; a fast kernel that
+hands a call to a slower one says so once too (:class:`SlowerKernelWarning`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import contextvars
 import numbers
 import os
 import warnings
 from dataclasses import dataclass, fields
-
-import torch
+from typing import Literal
 
 __all__ = [
     "FallbackWarning",
@@ -34,153 +51,136 @@ __all__ = [
     "SlowerKernelWarning",
     "current",
     "fallback",
-    "warn_unused_cohort_options",
+    "inert",
+    "reset",
+    "reset_fallback_warnings",
     "set_options",
     "slower",
     "use",
 ]
 
-LINEAR_PATHS = ("auto", "einsum", "dense", "triton")
-ZONAL_PATHS = ("auto", "reference", "fused")
-EDGE_FRAME_PATHS = ("auto", "reference", "table", "packed")
-COHORT_FUSED = (
-    "auto",
-    "off",
-    "ieee",
-    "tf32",
-    "tf32x3",
-    "bf16",
-    "ieee-stack",
-    "tf32x3-stack",
-    "tf32-stack",
-    "bf16-stack",
-)
+#: The values each field takes; the first is the default.
+CHOICES = {
+    "precision": ("auto", "fp32", "3xtf32", "tf32", "bf16"),
+    "linear": ("auto", "einsum", "dense", "triton"),
+    "zonal": ("auto", "reference", "fused"),
+    "edge_frame": ("auto", "reference", "table", "packed"),
+    "stack": ("auto", "linears", "layers", "fused"),
+    "memory": ("auto", "plain", "keep", "recompute"),
+}
 
 
 @dataclass(frozen=True)
 class Options:
-    """Which implementation each stage of the model uses.
+    """The requested implementation of each stage; ``"auto"`` everywhere by default.
 
     Attributes:
-        reference: run the einsum reference in every stage, whatever the others say.
-        linear: EquivariantLinear (chapter 2): ``"auto"`` (the measured choice: fast
-            paths on CUDA, the einsum elsewhere), ``"einsum"``, ``"dense"`` or
-            ``"triton"``.
-        zonal: the geometric initial embedding's zonal scatter (chapter 5):
-            ``"auto"`` (fused on CUDA, the reference elsewhere), ``"reference"`` or
-            ``"fused"`` (on the CPU through Triton's interpreter).
-        edge_frame: rotate/select, unrotate and the aggregation (chapter 3):
-            ``"auto"`` (``"packed"`` on CUDA, the reference elsewhere),
-            ``"reference"``, ``"table"`` (the kernels reading D through the (l, m)
-            tables) or ``"packed"`` (reading the tiles packed once per step).
-        cohorts: the mixing stack in cohorts of edges (chapter 6,
-            :func:`ecekern.cohorts.mixing_stack`): its backward keeps the stack's
-            pre-activations instead of every activation. None (auto): on for CUDA
-            tensors, where it was measured (a third less peak memory at 4096 atoms,
-            the step no slower); True or False everywhere.
-        cohort_edges: the cohort size (edges) when ``cohorts`` is on, a positive int.
-        cohort_recompute: with ``cohorts``, recompute the stack's forward in the
-            backward (the least memory: chapter 6; with a fused stack its
-            forward writes only y and one backward kernel makes each tile's z
-            again on chip); False keeps the pre-activations, and a force step's
-            backward runs no linear twice.
-            Either way the model keeps none of the stack's input: a backward that
-            reads it makes it again by the rotation. For the largest systems, also
-            set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA
-            starts (the caching allocator's free blocks then hold the largest
-            tensors).
-        cohort_fused: with ``cohorts``, the stack's forward and force backward by
-            the layer kernels (:func:`ecekern.cohorts.layers.stack_forward`,
-            :func:`~ecekern.cohorts.layers.stack_backward`; with
-            ``cohort_recompute``,
-            :func:`~ecekern.cohorts.layers.stack_recompute_backward`) at a
-            precision: ``"ieee"`` (strict fp32), ``"tf32x3"`` (fp32-accurate tensor
-            cores), ``"tf32"`` or ``"bf16"``, or ``"ieee-stack"``,
-            ``"tf32x3-stack"``, ``"tf32-stack"``, ``"bf16-stack"``: the whole stack
-            in one kernel per tile of edges (:mod:`ecekern.cohorts.fused`, at that
-            precision; where it cannot serve, the layer kernels at that precision,
-            with a warning); ``"off"`` runs the
-            EquivariantLinears; ``"auto"`` (the default) is ``"tf32x3"`` for
-            float32 on CUDA (chapter 6: fp32-accurate, and the fastest
-            fp32-accurate stack) and ``"off"`` otherwise.
+        reference: the einsum reference in every stage (the other fields must then
+            be ``"auto"``, else a warning says they are ignored).
+        precision: the mixing stack's products for float32 models: ``"fp32"``
+            (strict, FMA units), ``"3xtf32"`` (fp32-accurate tensor cores),
+            ``"tf32"`` or ``"bf16"`` (fast, less accurate: chapter 6's precision
+            study). ``"auto"``: ``"3xtf32"`` where the stack runs kernels (CUDA),
+            what the linears do elsewhere. Float64 models compute in float64.
+        linear: the EquivariantLinears (chapter 2), where the stack runs them:
+            ``"einsum"``, ``"dense"`` (block-diagonal GEMM), ``"triton"`` (per-mode
+            kernels), ``"auto"`` (chapter 2's measured choice per device, dtype and
+            TF32).
+        zonal: the initial embedding's zonal scatter (chapter 5): ``"reference"``
+            or ``"fused"``; ``"auto"``: fused on CUDA.
+        edge_frame: rotate/select and unrotate + aggregate (chapter 3):
+            ``"reference"``, ``"table"`` (kernels reading D through tables) or
+            ``"packed"`` (kernels reading tiles packed once per step); ``"auto"``:
+            packed on CUDA.
+        stack: the mixing stack's implementation (chapter 6): ``"linears"`` (the
+            EquivariantLinears and the gates in PyTorch), ``"layers"`` (one Triton
+            kernel per layer, gate and residual in its epilogue) or ``"fused"``
+            (the whole stack in one Gluon kernel per tile of edges, sm_90 and the
+            book's widths; elsewhere the layer kernels, loudly); ``"auto"``:
+            layers for float32 on CUDA, linears elsewhere.
+        memory: the stack's memory strategy (chapter 6): ``"plain"`` (autograd
+            keeps every activation), ``"keep"`` (the backward in cohorts of
+            edges from the kept pre-activations) or ``"recompute"`` (only the
+            input kept; the backward recomputes, for the largest systems, with
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` set before CUDA
+            starts); ``"auto"``: keep on CUDA or with kernels, plain elsewhere.
+        cohort_edges: edges a cohort (a positive int), or ``"auto"``
+            (:data:`ecekern.cohorts.COHORT_EDGES`).
     """
 
     reference: bool = False
-    linear: str = "auto"
-    zonal: str = "auto"
-    edge_frame: str = "auto"
-    cohorts: bool | None = None
-    cohort_edges: int = 65536
-    cohort_recompute: bool = False
-    cohort_fused: str = "auto"
+    precision: Literal["auto", "fp32", "3xtf32", "tf32", "bf16"] = "auto"
+    linear: Literal["auto", "einsum", "dense", "triton"] = "auto"
+    zonal: Literal["auto", "reference", "fused"] = "auto"
+    edge_frame: Literal["auto", "reference", "table", "packed"] = "auto"
+    stack: Literal["auto", "linears", "layers", "fused"] = "auto"
+    memory: Literal["auto", "plain", "keep", "recompute"] = "auto"
+    cohort_edges: int | Literal["auto"] = "auto"
 
     def __post_init__(self):
-        for name in ("reference", "cohorts", "cohort_recompute"):
+        if not isinstance(self.reference, bool):
+            raise TypeError(f"option reference must be a bool, got {self.reference!r}")
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (
-                name == "cohorts" and value is None
-            ):
-                raise TypeError(f"option {name} must be a bool, got {value!r}")
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         c = self.cohort_edges
-        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
-            raise TypeError(f"cohort_edges must be a positive int, got {c!r}")
-        if c < 1:
-            raise ValueError(f"cohort_edges must be a positive int, got {c!r}")
-        object.__setattr__(self, "cohort_edges", int(c))  # np.int64 and the like
-        if self.cohort_fused not in COHORT_FUSED:
+        if c != "auto":
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+                raise TypeError(
+                    f"cohort_edges must be a positive int or 'auto', got {c!r}"
+                )
+            if c < 1:
+                raise ValueError(
+                    f"cohort_edges must be a positive int or 'auto', got {c!r}"
+                )
+            object.__setattr__(self, "cohort_edges", int(c))  # np.int64 and the like
+
+    def changed(self) -> dict:
+        """The fields that differ from the defaults."""
+        base = Options()
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(base, f.name)
+        }
+
+
+# --------------------------------------------------------------------------------------
+# environment overrides
+# --------------------------------------------------------------------------------------
+def _parse(name: str, field: str, text: str):
+    t = text.strip()
+    if field == "reference":
+        low = t.lower()
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no", ""):
+            return False
+        raise ValueError(f"environment variable {name}={text!r} is not a boolean")
+    if field == "cohort_edges" and t.lower() != "auto":
+        try:
+            return int(t)
+        except ValueError:
             raise ValueError(
-                f"cohort_fused must be one of {COHORT_FUSED}, got {self.cohort_fused!r}"
-            )
-        if self.linear not in LINEAR_PATHS:
-            raise ValueError(
-                f"linear must be one of {LINEAR_PATHS}, got {self.linear!r}"
-            )
-        if self.zonal not in ZONAL_PATHS:
-            raise ValueError(f"zonal must be one of {ZONAL_PATHS}, got {self.zonal!r}")
-        if self.edge_frame not in EDGE_FRAME_PATHS:
-            raise ValueError(
-                f"edge_frame must be one of {EDGE_FRAME_PATHS}, got {self.edge_frame!r}"
-            )
+                f"environment variable {name}={text!r} is not an integer or 'auto'"
+            ) from None
+    return t.lower() if t.lower() == "auto" else t
 
 
-def _parse_bool(name: str, text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("1", "true", "on", "yes"):
-        return True
-    if t in ("0", "false", "off", "no", ""):
-        return False
-    raise ValueError(f"environment variable {name}={text!r} is not a boolean")
-
-
-def _parse_int(name: str, text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={text!r} is not an integer"
-        ) from None
-
-
-def _from_environment(base: Options) -> Options:
+def _environment(environ) -> dict:
+    """The options that ``ECEKERN_<FIELD>`` variables set (validated)."""
     changes = {}
     for f in fields(Options):
         name = "ECEKERN_" + f.name.upper()
-        if name in os.environ:
-            raw = os.environ[name]
-            if f.type in (bool, "bool"):
-                changes[f.name] = _parse_bool(name, raw)
-            elif f.type in ("bool | None",):  # "auto" (or empty) or a boolean
-                auto = raw.strip().lower() in ("auto", "")
-                changes[f.name] = None if auto else _parse_bool(name, raw)
-            elif f.type in (int, "int"):
-                changes[f.name] = _parse_int(name, raw)
-            else:
-                changes[f.name] = raw.strip()
+        if name in environ:
+            changes[f.name] = _parse(name, f.name, environ[name])
     try:
-        return dataclasses.replace(base, **changes)
+        Options(**changes)
     except (TypeError, ValueError) as exc:
         names = ", ".join(f"ECEKERN_{k.upper()}" for k in changes)
         raise ValueError(f"environment variable(s) {names}: {exc}") from None
+    return changes
 
 
 #: ECEKERN_ variables read elsewhere: the captures' provenance and launches, and the
@@ -203,97 +203,72 @@ if _unknown:
         UserWarning,
         stacklevel=2,
     )
-_current = _from_environment(Options())
+_environment(os.environ)  # a bad value is an error at import
+
+_ENV_NAMES = tuple("ECEKERN_" + f.name.upper() for f in fields(Options))
+_env_cache: tuple = ((), {})
+
+
+def _env_changes() -> dict:
+    """The environment's options now (parsed again only when a variable changed)."""
+    global _env_cache
+    key = tuple((n, os.environ[n]) for n in _ENV_NAMES if n in os.environ)
+    if key != _env_cache[0]:
+        _env_cache = (key, _environment(dict(key)))
+    return _env_cache[1]
+
+
+# --------------------------------------------------------------------------------------
+# the options in force: per thread and task
+# --------------------------------------------------------------------------------------
+#: The changes made by use() / set_options() in this context, over the environment.
+_changes: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "ecekern_options", default=None
+)
 
 
 def current() -> Options:
-    """The options in force now."""
-    return _current
+    """The options in force in this thread or task: the defaults, then the
+    ``ECEKERN_`` environment, then :func:`use` and :func:`set_options`."""
+    env, mine = _env_changes(), _changes.get() or {}
+    if not env and not mine:
+        return _DEFAULT
+    return Options(**{**env, **mine})
 
 
-def linear_path() -> str:
-    """The EquivariantLinear path the options ask for (``"einsum"`` under
-    ``reference``)."""
-    return "einsum" if _current.reference else _current.linear
-
-
-def zonal_fused(device_type: str) -> bool:
-    """Whether the zonal scatter takes the fused op for tensors on ``device_type``."""
-    if _current.reference:
-        return False
-    if _current.zonal == "auto":
-        return device_type == "cuda"
-    return _current.zonal == "fused"
-
-
-def edge_frame_path(device_type: str) -> str:
-    """``reference``, ``table`` or ``packed``: the edge-frame ops' path for tensors on
-    ``device_type`` (before the kernels' own checks)."""
-    if _current.reference:
-        return "reference"
-    if _current.edge_frame == "auto":
-        return "packed" if device_type == "cuda" else "reference"
-    return _current.edge_frame
-
-
-def cohorts_on(device_type: str = "cuda") -> bool:
-    """Whether the model's mixing stack runs in cohorts for tensors on
-    ``device_type`` (never under ``reference``; ``None`` means on CUDA)."""
-    if _current.reference:
-        return False
-    if _current.cohorts is None:
-        return device_type == "cuda"
-    return _current.cohorts
-
-
-def warn_unused_cohort_options(device_type: str) -> None:
-    """Say once that cohort options were set for a stack that runs without cohorts
-    (on the CPU ``cohorts`` is off unless set): they would change nothing."""
-    base, now = Options(), _current
-    unused = [f"{n}={getattr(now, n)!r}" for n in ("cohort_edges", "cohort_recompute")
-              if getattr(now, n) != getattr(base, n)]  # fmt: skip
-    if now.cohort_fused not in ("auto", "off"):
-        unused.append(f"cohort_fused={now.cohort_fused!r}")
-    if unused:
-        why = "reference=True" if now.reference else f"cohorts off for {device_type}"
-        _once(
-            f"unused cohort options {unused} {why}",
-            f"ecekern: {', '.join(unused)} ignored: {why} (set cohorts=True to use "
-            "them)",
-            UserWarning,
-        )
-
-
-def cohort_precision(device_type: str, dtype) -> str | None:
-    """The layer kernels' precision for a mixing stack on ``device_type`` and
-    ``dtype`` rows, or None for the EquivariantLinears (``"auto"``: ``"tf32x3"``
-    for float32 on CUDA)."""
-    fused = _current.cohort_fused
-    if fused == "auto":
-        auto = device_type == "cuda" and dtype == torch.float32
-        return "tf32x3" if auto else None
-    return None if fused == "off" else fused
+_DEFAULT = Options()
 
 
 def set_options(**changes) -> Options:
-    """Change the process-wide options; returns the previous value."""
-    global _current
-    previous = _current
-    _current = dataclasses.replace(_current, **changes)
+    """Change the options of this thread or task from here on (a notebook's top
+    level); returns the previous value. Other threads are not affected."""
+    previous = current()
+    Options(**{**previous.changed(), **changes})  # validate before setting
+    _changes.set({**(_changes.get() or {}), **changes})
     return previous
+
+
+def reset() -> None:
+    """Drop this thread's (or task's) :func:`set_options` changes: back to the
+    defaults and the environment."""
+    _changes.set(None)
 
 
 @contextlib.contextmanager
 def use(**changes):
-    """Run a block of code with some options changed."""
-    global _current
-    previous = set_options(**changes)
+    """Run a block with some options changed, in this thread or task only; yields
+    the options in force inside. Fields: see :class:`Options`."""
+    Options(**{**current().changed(), **changes})  # validate before entering
+    token = _changes.set({**(_changes.get() or {}), **changes})
     try:
-        yield _current
+        yield current()
     finally:
-        _current = previous
+        _changes.reset(token)
 
 
+# --------------------------------------------------------------------------------------
+# loud fallbacks
+# --------------------------------------------------------------------------------------
 class FallbackWarning(UserWarning):
     """A fast path could not serve a call and another path ran instead: the
     reference, or the one the message names (the fused stack's fallback is the
@@ -330,6 +305,12 @@ def slower(op: str, note: str) -> None:
         f"ecekern: {op} runs a slower kernel ({note})",
         SlowerKernelWarning,
     )
+
+
+def inert(what: str, why: str) -> None:
+    """Announce, once per ``(what, why)``, that a requested option changes
+    nothing here."""
+    _once(f"inert {what}: {why}", f"ecekern: {what} ignored: {why}", UserWarning)
 
 
 def reset_fallback_warnings() -> None:

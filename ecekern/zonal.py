@@ -66,7 +66,7 @@ else:
         return kernel
 
 
-__all__ = ["ZonalLaunch", "zonal_scatter"]
+__all__ = ["ZonalLaunch", "why_not", "zonal_scatter"]
 
 
 # --------------------------------------------------------------------------------------
@@ -497,6 +497,15 @@ _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # --------------------------------------------------------------------------------------
 # public function
 # --------------------------------------------------------------------------------------
+def why_not(device_type: str, L: int) -> str | None:
+    """Why the fused op cannot serve tensors on ``device_type`` at degree L, or
+    None."""
+    reason = why_not_triton(device_type)
+    if reason is None and not 1 <= L <= 4:
+        reason = f"L = {L} is outside 1..4"
+    return reason
+
+
 def zonal_scatter(
     Z, R, dst, row_ptr, scale: float, *, validate: bool = True
 ) -> torch.Tensor:
@@ -515,11 +524,7 @@ def zonal_scatter(
     """
     values = validate and not torch.compiler.is_compiling()
     reference.check_zonal_scatter(Z, R, dst, row_ptr, values=values)
-    if options.current().reference:  # the one switch to the reference, anywhere
-        return reference.zonal_scatter(Z, R, dst, row_ptr, scale, validate=False)
-    reason = why_not_triton(Z.device.type)
-    if reason is None and not 1 <= R.shape[1] <= 4:
-        reason = f"L = {R.shape[1]} is outside 1..4"
+    reason = why_not(Z.device.type, R.shape[1])
     if reason is not None:
         options.fallback("zonal_scatter", reason)
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale, validate=False)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ecekern
-from ecekern import edge_frame, options, reference, so3
+from ecekern import edge_frame, options, plan, reference, so3
 from ecekern._triton import INTERPRET
 from ecekern.graph import csr_row_ptr
 from ecekern.testing import assert_close_three_way, rel_err
@@ -439,16 +439,25 @@ def test_half_precision_falls_back_loudly():
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
-def test_the_option_and_the_reference_switch():
-    with options.use(edge_frame="table"):
-        assert options.edge_frame_path("cpu") == "table"
-        with options.use(reference=True):
-            assert options.edge_frame_path("cuda") == "reference"
-    with options.use():
-        assert options.edge_frame_path("cpu") == "reference"
-        assert options.edge_frame_path("cuda") == "packed"
+def test_the_plan_takes_the_option_and_the_reference_switch():
+    """The edge-frame stage is the plan's: the option where it can serve, the
+    reference under ``reference=True`` (on CUDA too), packed by default on CUDA."""
+    shapes = plan.Shapes(2, 2, 4, 1)
+
+    def stage(device, **opts):
+        cap = (9, 0) if device == "cuda" else None
+        got = plan.resolve(device, cap, torch.float32, False, shapes,
+                           options.Options(**opts))  # fmt: skip
+        return got.edge_frame
+
+    assert stage("cpu", edge_frame="table") == "table"  # the interpreter's
+    assert stage("cuda", edge_frame="table", reference=True) == "reference"
+    assert stage("cpu") == "reference" and stage("cuda") == "packed"
     with pytest.raises(ValueError, match="edge_frame"):
         options.Options(edge_frame="fast")
+    with pytest.raises(ValueError, match="variant"):
+        edge_frame.frames_for(torch.zeros(1, 9, 9), 2, *[torch.zeros(1, dtype=int)] * 2,
+                              1, None, "fast")  # fmt: skip
 
 
 def test_pack_holds_the_selected_blocks():

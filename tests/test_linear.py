@@ -223,7 +223,9 @@ def test_bad_inputs_are_rejected_like_the_reference(path):
 # --------------------------------------------------------------------------------------
 # the plan: resolved once per (device, dtype, TF32, shape, layout), cached
 # --------------------------------------------------------------------------------------
-def test_dispatch_follows_the_options(monkeypatch):
+def test_dispatch_follows_the_path_argument(monkeypatch):
+    """The op takes its path as an argument; the options do not reach it (the step
+    plan hands the model's linears theirs)."""
     xc, xs, w, b = _args(4, 5, 6, 2)
     calls = []
     apply = autograd.EquivariantLinearFn.apply
@@ -233,15 +235,14 @@ def test_dispatch_follows_the_options(monkeypatch):
         lambda *a: calls.append(1) or apply(*a),
     )
     linear.equivariant_linear(xc, xs, w, b)
-    assert calls == ([] if DEV == "cpu" else [])  # n_ang = 2: einsum or dense
-    with options.use(linear="triton"):
-        linear.equivariant_linear(xc, xs, w, b)
+    assert calls == []  # n_ang = 2: einsum or dense
+    linear.equivariant_linear(xc, xs, w, b, path="triton")
+    assert calls == [1]
+    with options.use(reference=True, linear="triton"):  # ops read no options
+        linear.equivariant_linear(xc, xs, w, b, path="dense")
         assert calls == [1]
-        linear.equivariant_linear(xc, xs, w, b, path="dense")  # the argument wins
+        y = linear.equivariant_linear(xc, xs, w, b, path="einsum")
         assert calls == [1]
-        with options.use(reference=True):  # the one switch to the reference
-            y = linear.equivariant_linear(xc, xs, w, b)
-            assert calls == [1]
     ref = reference.equivariant_linear(xc, xs, w, b)
     assert torch.equal(y[0], ref[0])
 
@@ -356,7 +357,8 @@ def test_model_energy_and_forces_with_each_path(path):
     with options.use(reference=True):
         e_ref, f_ref = ecekern.energy_and_forces(model, atoms)
     model.to(DEV)
-    with options.use(linear=path):
+    with options.use(linear=path, stack="linears"):
+        assert model.plan().linear == path
         e, f = ecekern.energy_and_forces(model, atoms)
     assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-10
 

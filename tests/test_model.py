@@ -200,44 +200,6 @@ def test_bad_inputs(box):
             ecekern.ECEConfig(**bad)
 
 
-def test_options_name_only_chapters_that_exist_and_default_to_fast_paths(box):
-    """On a CPU the defaults are the reference (bit for bit the same as asking for
-    it); an option for a chapter that has not landed does not exist."""
-    from ecekern import options
-
-    assert options.current() == options.Options()
-    assert options.Options() == options.Options(
-        reference=False, linear="auto", zonal="auto"
-    )
-    model = _model()
-    e, f = ecekern.energy_and_forces(model, box)
-    with options.use(reference=True):
-        e_ref, f_ref = ecekern.energy_and_forces(model, box)
-    assert torch.equal(e, e_ref) and torch.equal(f, f_ref)
-    for name in ("edge_cohorts", "packed_d", "sync_free_unpack", "interpret"):
-        with pytest.raises(TypeError):
-            options.Options(**{name: True})
-
-
-def test_options_environment_override(monkeypatch):
-    from ecekern import options
-
-    monkeypatch.setenv("ECEKERN_ZONAL", "fused")
-    monkeypatch.setenv("ECEKERN_LINEAR", "dense")
-    monkeypatch.setenv("ECEKERN_REFERENCE", "1")
-    o = options._from_environment(options.Options())
-    assert o == options.Options(reference=True, linear="dense", zonal="fused")
-    monkeypatch.setenv("ECEKERN_REFERENCE", "maybe")
-    with pytest.raises(ValueError):
-        options._from_environment(options.Options())
-    with pytest.raises(ValueError):
-        options.Options(linear="fast")
-    with pytest.raises(ValueError):
-        options.Options(zonal="on")
-    with pytest.raises(TypeError):
-        options.Options(reference="yes")
-
-
 @pytest.mark.gpu
 def test_cuda_agrees_with_cpu_float64():
     atoms = ecekern.systems.diamond(2, seed=5)
@@ -348,7 +310,7 @@ def test_energy_and_forces_are_continuous_across_the_cutoff(n_gated, cohorts):
         return e.item(), f, graph.n_edges
 
     one_edge = {"cohort_edges": 1} if cohorts else {}  # (else unused: a warning)
-    with ecekern.options.use(cohorts=cohorts, **one_edge):
+    with ecekern.options.use(memory="keep" if cohorts else "plain", **one_edge):
         e_in, f_in, n_in = ef(rc - 1e-4)
         e_out, f_out, n_out = ef(rc + 1e-4)
     assert (n_in, n_out) == (2, 0)
@@ -368,11 +330,6 @@ def test_forces_under_no_grad_and_inference_mode(box):
     assert torch.equal(f1, f) and torch.equal(f2, f) and torch.equal(e2, e)
 
 
-def test_a_bad_environment_option_names_its_variable(monkeypatch):
-    from ecekern import options
-
-    monkeypatch.setenv("ECEKERN_LINEAR", "Dense")
-    with pytest.raises(ValueError, match="ECEKERN_LINEAR"):
-        options._from_environment(options.Options())
+def test_a_bad_seed_is_an_error():
     with pytest.raises(ValueError, match="seed"):
         ecekern.ECEConfig(seed=1.5)

@@ -283,16 +283,15 @@ def test_gpu_kernels_replay_in_a_cuda_graph():
     assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
 
 
-def test_the_reference_switch_reaches_the_public_op(monkeypatch):
-    """``options.use(reference=True)`` runs the reference anywhere, also through
-    ``ecekern.zonal_scatter`` called directly."""
+def test_the_reference_switch_reaches_the_model_through_the_plan():
+    """``options.use(reference=True)`` makes the model's zonal stage the reference
+    (the plan's); the public fused op reads no options and gives the same bits
+    inside such a block."""
     Z, R, dst, row_ptr = _inputs(20, 4, 2, 3)
-    monkeypatch.setattr(
-        zonal, "_scatter_op", lambda *a: pytest.fail("the fused op ran")
-    )
+    h = zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5)
+    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1))
     with options.use(reference=True):
-        h = zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5)
-    # not bitwise: on CUDA the reference's index_add_ sums with atomics, in any order
-    torch.testing.assert_close(
-        h, reference.zonal_scatter(Z, R, dst, row_ptr, 0.5), rtol=1e-13, atol=1e-13
-    )
+        assert torch.equal(zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5), h)
+        assert model.plan().zonal == "reference"
+    with options.use(zonal="fused"):
+        assert model.plan().zonal == "fused"  # the interpreter's, on a CPU

@@ -466,3 +466,53 @@ def mixing_stack(
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]
     )
+
+
+# TEMP-ADAPTER (replaced by the stack split)
+_NAMES = {"fp32": "ieee", "3xtf32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
+
+
+def why_not(kernels, precision, device_type, capability, dtype, F, FO, n_ang):
+    name = _NAMES[precision]
+    if kernels == "fused":
+        return _layers._why_not_stack(
+            device_type, capability, dtype, F, FO, n_ang, name
+        )
+    return _layers._why_not(device_type, dtype, name, F, FO)
+
+
+_old = mixing_stack
+
+
+def mixing_stack(
+    x_cos,
+    x_sin,
+    weights,
+    biases,
+    weight_out,
+    bias_out,
+    linear=None,
+    cohort_edges=COHORT_EDGES,
+    recompute=False,
+    kernels=None,
+    precision="fp32",
+    sin0_zero=False,
+    x_rebuild=None,
+):
+    fused = None
+    if kernels is not None:
+        fused = _NAMES[precision] + ("-stack" if kernels == "fused" else "")
+    return _old(
+        x_cos,
+        x_sin,
+        weights,
+        biases,
+        weight_out,
+        bias_out,
+        linear,
+        cohort_edges,
+        recompute,
+        fused,
+        sin0_zero,
+        x_rebuild,
+    )

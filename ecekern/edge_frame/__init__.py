@@ -273,12 +273,16 @@ def _check_y(y_cos, y_sin, d, L: int, M: int) -> None:
 
 
 def _path(like: torch.Tensor, L: int, variant: str | None) -> str:
-    """``reference``, ``table`` or ``packed`` for tensors like ``like``: the options'
-    choice (or ``variant``), and the reference, loudly, where the kernels cannot
+    """``reference``, ``table`` or ``packed`` for tensors like ``like``: ``variant``
+    (None: ``packed``), and the reference, loudly, where the kernels cannot
     serve."""
     device_type = like.device.type
-    path = options.edge_frame_path(device_type) if variant is None else variant
-    if path == "reference" or options.current().reference:
+    path = "packed" if variant is None else variant
+    if path not in ("reference", *VARIANTS):
+        raise ValueError(
+            f"variant must be None, 'reference' or one of {VARIANTS}, got {path!r}"
+        )
+    if path == "reference":
         return "reference"
     reason = why_not(device_type, L, like.dtype)
     if reason is not None:
@@ -289,8 +293,9 @@ def _path(like: torch.Tensor, L: int, variant: str | None) -> str:
 
 def frames_for(D, mmax, src, dst, n_nodes, row_ptr, variant=None) -> Frames | None:
     """The model's per-step :class:`Frames` (its graph is consistent by construction:
-    not validated), or None where the reference runs (the options say so, or the
-    kernels cannot serve: a one-time warning)."""
+    not validated) for ``variant`` (None: ``packed``), or None where the reference
+    runs (``variant="reference"``, or the kernels cannot serve: a one-time
+    warning)."""
     L = math.isqrt(D.shape[-1]) - 1
     path = _path(D, L, variant)
     if path == "reference":
@@ -301,8 +306,8 @@ def frames_for(D, mmax, src, dst, n_nodes, row_ptr, variant=None) -> Frames | No
 def rotate_and_select(h, src, dst, D, mmax: int, rho=None, *, variant=None,
                       validate: bool = True):  # fmt: skip
     """:func:`ecekern.reference.rotate_and_select`, fused, with the radial modulation
-    ``rho (E, 2C(L+1))`` folded into the store when given. ``variant`` overrides the
-    options' ``edge_frame`` (``"table"``, ``"packed"``, ``"reference"``). D must be
+    ``rho (E, 2C(L+1))`` folded into the store when given. ``variant``: ``"packed"``
+    (None), ``"table"`` or ``"reference"``. D must be
     block-diagonal over degrees (a Wigner matrix; its other entries are not read).
     ``validate=False`` skips the host-synchronising range check of src and dst (an
     index out of range then gives wrong rows, never an out-of-bounds access). The

@@ -62,16 +62,14 @@ def equivariant_linear(x_cos, x_sin, weight, bias, path: str = "auto"):
         x_cos, x_sin: ``(..., in, n_ang)``, any strides.
         weight: ``(n_ang, out, in)``, any strides.
         bias: ``(out,)`` or None, any strides.
-        path: ``"einsum"``, ``"dense"``, ``"triton"``, or ``"auto"`` (the process-wide
-            option :attr:`ecekern.options.Options.linear`, whose ``"auto"`` is the
-            measured choice of :mod:`ecekern.linear.plan`).
+        path: ``"einsum"``, ``"dense"``, ``"triton"``, or ``"auto"`` (the measured
+            choice of :mod:`ecekern.linear.plan` for this device, dtype, TF32 switch
+            and shape).
 
     Returns:
         ``y_cos, y_sin``, each ``(..., out, n_ang)`` (contiguous on the dense and
         triton paths).
     """
-    if path == "auto":
-        path = options.linear_path()
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     reference._check_equivariant_linear(x_cos, x_sin, weight, bias)

@@ -1,0 +1,331 @@
+"""The step plan: which implementation serves each stage, decided once.
+
+A :class:`StepPlan` is resolved from what a force step's kernels depend on: the
+device (type and compute capability), the dtype, torch's TF32 switch, the model's
+shapes (L, M, C, K) and the options in force (:mod:`ecekern.options`). It names one
+implementation per stage and the reason for every fallback, and it is cached: the
+same inputs give the same object, so a step pays a dictionary look-up for it.
+
+The model's forward runs the plan's stages as a straight pipeline, and every op
+takes its implementation as an argument; no op reads the options. ``repr(plan)``
+says what runs::
+
+    >>> ecekern.plan_for(model, "cuda", torch.float32)
+    StepPlan(cuda sm_90, float32, TF32 off)
+      zonal       fused
+      edge_frame  packed
+      stack       layers, 3xtf32
+      memory      keep, cohorts of 65536 edges
+      linear      auto
+      fallbacks   none
+
+Rules. ``"auto"`` resolves to the measured choice (CUDA: every validated fast path;
+CPU: the reference). A stage whose fast path cannot serve (no Triton, not sm_90, a
+degree or width the kernels do not take) falls back: to the reference, or from the
+fused stack to the layer kernels, or from the layer kernels to the linears; each
+fallback is in ``plan.fallbacks`` and is announced once (a
+:class:`~ecekern.options.FallbackWarning`) by :meth:`StepPlan.announce`. Requests that
+cannot be combined (the linears in 3xTF32, the layer kernels without cohorts) are a
+ValueError here; requests that change nothing are announced once as a warning.
+
+Status: resolves every stage of the model; pure Python, no device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import cohorts, edge_frame, options, zonal
+from ._triton import why_not_triton
+from .linear.triton_modes import MAX_N_ANG
+
+__all__ = ["Shapes", "StepPlan", "plan_for"]
+
+#: The stack implementations that run kernels inside cohorts.
+KERNEL_STACKS = ("layers", "fused")
+
+
+class Shapes(NamedTuple):
+    """The model shapes a plan depends on: L, M, C and K (gated layers)."""
+
+    lmax: int
+    mmax: int
+    channels: int
+    n_gated: int
+
+    @property
+    def n_ang(self) -> int:
+        return self.mmax + 1
+
+    @property
+    def F(self) -> int:
+        return 2 * self.channels * (self.lmax + 1)
+
+    @property
+    def F_out(self) -> int:
+        return self.channels * (self.lmax + 1)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One resolved choice per stage (see the module docstring).
+
+    Attributes:
+        device, capability, dtype, tf32: what it was resolved for.
+        precision: the stack's products: ``"fp64"``, ``"fp32"``, ``"3xtf32"``,
+            ``"tf32"`` or ``"bf16"`` (what runs, after any fallback).
+        zonal: ``"reference"`` or ``"fused"``.
+        edge_frame: ``"reference"``, ``"table"`` or ``"packed"``.
+        stack: ``"linears"``, ``"layers"`` or ``"fused"``.
+        memory: ``"plain"``, ``"keep"`` or ``"recompute"``.
+        cohort_edges: edges a cohort (with ``memory`` keep or recompute).
+        linear: the EquivariantLinears' path (``"auto"``, ``"einsum"``,
+            ``"dense"``, ``"triton"``), where the stack runs them.
+        fallbacks: ``(stage, reason, what runs instead)`` for each fast path that
+            could not serve.
+        notes: requests that change nothing here.
+        options: the options it was resolved from.
+    """
+
+    device: str
+    capability: tuple | None
+    dtype: torch.dtype
+    tf32: bool
+    precision: str
+    zonal: str
+    edge_frame: str
+    stack: str
+    memory: str
+    cohort_edges: int
+    linear: str
+    fallbacks: tuple = ()
+    notes: tuple = ()
+    options: options.Options = options.Options()
+
+    @property
+    def cohorts(self) -> bool:
+        """Whether the stack runs in cohorts (``memory`` keep or recompute)."""
+        return self.memory != "plain"
+
+    @property
+    def kernels(self) -> str | None:
+        """``"layers"`` or ``"fused"`` where the stack runs kernels, else None."""
+        return self.stack if self.stack in KERNEL_STACKS else None
+
+    @property
+    def planes(self) -> bool:
+        """Whether the rotation hands the stack planes (the layer kernels' layout)."""
+        return self.kernels is not None and self.edge_frame != "reference"
+
+    def announce(self) -> None:
+        """Say each fallback and inert request once (per process and reason)."""
+        for stage, reason, to in self.fallbacks:
+            options.fallback(stage, reason, to)
+        for what, why in self.notes:
+            options.inert(what, why)
+
+    def __repr__(self) -> str:
+        dev = self.device
+        if self.capability is not None:
+            dev += f" sm_{self.capability[0]}{self.capability[1]}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        head = f"StepPlan({dev}, {dtype}, TF32 {'on' if self.tf32 else 'off'})"
+        memory = self.memory
+        if self.cohorts:
+            memory += f", cohorts of {self.cohort_edges} edges"
+        rows = [
+            ("zonal", self.zonal),
+            ("edge_frame", self.edge_frame),
+            ("stack", f"{self.stack}, {self.precision}"),
+            ("memory", memory),
+            ("linear", self.linear if self.stack == "linears" else "(not used)"),
+        ]
+        falls = [f"{s}: {r} -> {t}" for s, r, t in self.fallbacks] or ["none"]
+        rows += [("fallbacks", falls[0])] + [("", f) for f in falls[1:]]
+        rows += [("ignored", f"{w}: {y}") for w, y in self.notes]
+        return "\n".join([head, *(f"  {k:<11} {v}" for k, v in rows)])
+
+    def describe(self) -> str:
+        """One line, for captures and logs: ``stack=layers,precision=3xtf32,...``."""
+        return ",".join(
+            f"{k}={getattr(self, k)}"
+            for k in ("zonal", "edge_frame", "stack", "precision", "memory", "linear")
+        )
+
+
+# --------------------------------------------------------------------------------------
+# resolution
+# --------------------------------------------------------------------------------------
+def _native(device_type: str, dtype: torch.dtype, tf32: bool) -> str:
+    """The precision of the linears (and of the reference): the dtype's, with TF32
+    for float32 matmuls on CUDA when torch's switch is on."""
+    if dtype == torch.float64:
+        return "fp64"
+    return "tf32" if device_type == "cuda" and tf32 else "fp32"
+
+
+def kernel_precision(precision: str) -> str:
+    """The kernels' name for a precision (float64 rows run the strict path)."""
+    return "fp32" if precision == "fp64" else precision
+
+
+@functools.lru_cache(maxsize=256)
+def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
+    """The plan for plain values (:func:`plan_for` gathers them): a device type and
+    capability, a dtype, the TF32 switch, :class:`Shapes` and
+    :class:`~ecekern.options.Options`. Cached."""
+    fall: list[tuple[str, str, str]] = []
+    notes: list[tuple[str, str]] = []
+    native = _native(device_type, dtype, tf32)
+    cuda = device_type == "cuda"
+    L = shapes.lmax
+    base = dict(device=device_type, capability=capability, dtype=dtype, tf32=tf32,
+                options=opts)  # fmt: skip
+    if opts.reference:
+        for name, value in opts.changed().items():
+            if name != "reference":
+                notes.append((f"{name}={value!r}", "reference=True runs the einsum "
+                              "reference in every stage"))  # fmt: skip
+        return StepPlan(precision=native, zonal="reference", edge_frame="reference",
+                        stack="linears", memory="plain",
+                        cohort_edges=cohorts.COHORT_EDGES, linear="einsum",
+                        notes=tuple(notes), **base)  # fmt: skip
+
+    # zonal scatter (chapter 5)
+    z = opts.zonal if opts.zonal != "auto" else ("fused" if cuda else "reference")
+    if z == "fused":
+        why = zonal.why_not(device_type, L)
+        if why:
+            fall.append(("zonal_scatter", why, "the reference path"))
+            z = "reference"
+
+    # edge frames (chapter 3)
+    ef = opts.edge_frame
+    if ef == "auto":
+        ef = "packed" if cuda else "reference"
+    if ef != "reference":
+        why = edge_frame.why_not(device_type, L, dtype)
+        if why:
+            fall.append(("edge_frame", why, "the reference path"))
+            ef = "reference"
+
+    # the mixing stack (chapters 2 and 6): implementation, precision, memory
+    precision, stack, memory = opts.precision, opts.stack, opts.memory
+    if dtype == torch.float64 and precision != "auto":
+        notes.append((f"precision={precision!r}", "a float64 model computes in "
+                      "float64"))  # fmt: skip
+        precision = "auto"
+    if stack == "auto":
+        wants_kernels = precision not in ("auto", native) or (
+            cuda and dtype == torch.float32
+        )
+        stack = "layers" if wants_kernels and memory != "plain" else "linears"
+    if stack in KERNEL_STACKS and memory == "plain":
+        raise ValueError(
+            f"stack={stack!r} runs inside cohorts: memory='plain' cannot serve it "
+            "(use memory='keep' or 'recompute', or stack='linears')"
+        )
+    if stack == "linears" and precision not in ("auto", native):
+        raise ValueError(
+            f"precision={precision!r} with stack='linears': the EquivariantLinears "
+            f"compute in {native} here ({dtype}, torch's TF32 switch "
+            f"{'on' if tf32 else 'off'}); {precision!r} needs stack='layers' or "
+            "'fused'"
+        )
+    if stack in KERNEL_STACKS:
+        prec = precision if precision != "auto" else (
+            "3xtf32" if dtype == torch.float32 else "fp64"
+        )  # fmt: skip
+        if stack == "fused":
+            why = cohorts.why_not("fused", kernel_precision(prec), device_type,
+                                  capability, dtype, shapes.F, shapes.F_out,
+                                  shapes.n_ang)  # fmt: skip
+            if why:
+                fall.append(("mixing stack [fused]", why,
+                             f"the layer kernels in {prec}"))  # fmt: skip
+                stack = "layers"
+        if stack == "layers":
+            why = cohorts.why_not("layers", kernel_precision(prec), device_type,
+                                  capability, dtype, shapes.F, shapes.F_out,
+                                  shapes.n_ang)  # fmt: skip
+            if why:
+                fall.append(("mixing stack [layers]", why, "the EquivariantLinears"))
+                stack, prec = "linears", native
+        precision = prec
+    else:
+        precision = native
+    if memory == "auto":
+        memory = "keep" if cuda or stack in KERNEL_STACKS else "plain"
+    cohort_edges = opts.cohort_edges
+    if cohort_edges == "auto":
+        cohort_edges = cohorts.COHORT_EDGES
+    elif memory == "plain":
+        notes.append((f"cohort_edges={cohort_edges}", "memory='plain' runs no "
+                      "cohorts"))  # fmt: skip
+
+    # the EquivariantLinears (chapter 2), where the stack runs them
+    linear = opts.linear
+    if linear != "auto" and stack != "linears":
+        notes.append((f"linear={linear!r}", f"stack={stack!r} runs no "
+                      "EquivariantLinear"))  # fmt: skip
+    if linear == "triton":
+        why = why_not_triton(device_type)
+        if why is None and shapes.n_ang > MAX_N_ANG:
+            why = f"n_ang = {shapes.n_ang} > {MAX_N_ANG}"
+        if why:
+            if stack == "linears":
+                fall.append(("equivariant_linear[triton]", why, "the reference path"))
+            linear = "einsum"
+    return StepPlan(precision=precision, zonal=z, edge_frame=ef, stack=stack,
+                    memory=memory, cohort_edges=cohort_edges, linear=linear,
+                    fallbacks=tuple(fall), notes=tuple(notes), **base)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple | None:
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def shapes_of(config) -> Shapes:
+    """The :class:`Shapes` of an :class:`~ecekern.ECEConfig`."""
+    return Shapes(config.lmax, config.M, config.channels, config.n_gated)
+
+
+def plan_for(model, device=None, dtype=None, opts=None) -> StepPlan:
+    """The :class:`StepPlan` of a force step of ``model`` (an
+    :class:`~ecekern.ECEModel`, a ``torch.compile``d one, or an
+    :class:`~ecekern.ECEConfig`) on ``device`` in ``dtype`` (default: where the
+    model's parameters are), with the options in force (or ``opts``) and torch's
+    TF32 switch as it is now. Cached; raises a ValueError for requests that cannot
+    be combined."""
+    config = getattr(model, "config", None)
+    if config is None:
+        inner = getattr(model, "_orig_mod", None)
+        config = getattr(inner, "config", model)
+    if device is None or dtype is None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("plan_for(config, ...) needs device and dtype")
+        p = next(model.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    opts = options.current() if opts is None else opts
+    if not isinstance(opts, options.Options):
+        raise TypeError(f"opts must be an ecekern.options.Options, got {opts!r:.60}")
+    tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+    return resolve(device.type, _capability(device), dtype, tf32,
+                    shapes_of(config), opts)  # fmt: skip
+
+
+def replace(plan: StepPlan, **changes) -> StepPlan:
+    """A copy of ``plan`` with some fields changed (tests and captures)."""
+    return dataclasses.replace(plan, **changes)

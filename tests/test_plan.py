@@ -1,0 +1,214 @@
+"""The options and the step plan: dispatch decided once, options scoped per thread."""
+
+import threading
+
+import pytest
+import torch
+
+import ecekern
+from ecekern import options, plan
+from ecekern.options import Options
+
+SHAPES = plan.Shapes(lmax=2, mmax=2, channels=32, n_gated=2)  # the book's model
+TINY = ecekern.ECEConfig(channels=2, radial_hidden=4, readout_hidden=2, n_gated=1)
+
+
+def resolve(device="cuda", dtype=torch.float32, tf32=False, shapes=SHAPES, **opts):
+    cap = (9, 0) if device == "cuda" else None
+    return plan.resolve(device, cap, dtype, tf32, shapes, Options(**opts))
+
+
+def test_every_field_defaults_to_auto_and_rejects_unknown_values():
+    o = Options()
+    assert o.reference is False and o.cohort_edges == "auto"
+    assert all(getattr(o, name) == "auto" for name in options.CHOICES)
+    for name, bad in [("precision", "fp16"), ("stack", "tf32x3-stack"),
+                      ("memory", "cohorts"), ("linear", "fast"),
+                      ("zonal", "on"), ("edge_frame", None)]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            Options(**{name: bad})
+    with pytest.raises(TypeError):
+        Options(reference="yes")
+    with pytest.raises(ValueError):
+        Options(cohort_edges=0)
+    with pytest.raises(TypeError):
+        Options(cohort_edges=2.5)
+
+
+def test_auto_on_cuda_takes_every_fast_path_and_the_reference_on_the_cpu():
+    cuda = resolve("cuda")
+    assert (cuda.zonal, cuda.edge_frame, cuda.memory) == ("fused", "packed", "keep")
+    assert cuda.stack in ("layers", "fused") and cuda.precision == "3xtf32"
+    assert cuda.planes and cuda.cohorts
+    assert cuda.cohort_edges == ecekern.cohorts.COHORT_EDGES
+    cpu = resolve("cpu")
+    assert (cpu.zonal, cpu.edge_frame, cpu.stack, cpu.memory, cpu.precision) == (
+        "reference",
+        "reference",
+        "linears",
+        "plain",
+        "fp32",
+    )
+    assert not cpu.planes and cpu.fallbacks == ()
+    f64 = resolve("cuda", torch.float64)
+    assert (f64.stack, f64.precision, f64.memory) == ("linears", "fp64", "keep")
+    assert resolve("cuda", tf32=True, stack="linears").precision == "tf32"
+
+
+def test_the_reference_switch_wins_and_says_what_it_ignores():
+    p = resolve("cuda", reference=True, stack="layers", precision="bf16")
+    assert (p.zonal, p.edge_frame, p.stack, p.memory, p.linear) == (
+        "reference",
+        "reference",
+        "linears",
+        "plain",
+        "einsum",
+    )
+    assert p.precision == "fp32"
+    assert {what for what, _ in p.notes} == {"stack='layers'", "precision='bf16'"}
+    options.reset_fallback_warnings()
+    with pytest.warns(UserWarning) as got:
+        p.announce()
+    said = sorted(str(w.message).split(" ignored")[0] for w in got)
+    assert said == ["ecekern: precision='bf16'", "ecekern: stack='layers'"]
+
+
+def test_impossible_combinations_are_errors_when_the_plan_is_made():
+    with pytest.raises(ValueError, match="memory='plain'"):
+        resolve("cuda", stack="layers", memory="plain")
+    with pytest.raises(ValueError, match="3xtf32.*linears|linears.*3xtf32"):
+        resolve("cuda", stack="linears", precision="3xtf32")
+    with pytest.raises(ValueError, match="tf32"):
+        resolve("cuda", stack="linears", precision="tf32")  # TF32 switch off
+
+
+def test_inert_requests_warn_once():
+    p = resolve("cpu", dtype=torch.float64, precision="tf32", cohort_edges=7)
+    assert p.precision == "fp64" and p.memory == "plain"
+    assert {what for what, _ in p.notes} == {"precision='tf32'", "cohort_edges=7"}
+    p = resolve("cuda", linear="dense")  # the layer kernels run no linear
+    assert p.notes and "linear='dense'" in p.notes[0][0]
+    options.reset_fallback_warnings()
+    with pytest.warns(UserWarning, match="linear='dense' ignored") as got:
+        p.announce()
+        p.announce()
+    assert len(got) == 1
+
+
+def test_fallbacks_are_in_the_plan_and_announced_once():
+    """The fused stack without Gluon (Triton's interpreter on this machine, or a
+    release it was not validated on) runs the layer kernels; the plan says why."""
+    p = resolve("cuda", stack="fused", precision="bf16")
+    if ecekern._triton.gluon is None:
+        assert p.stack == "layers" and p.precision == "bf16"
+        ((stage, why, to),) = p.fallbacks
+        assert "fused" in stage and to == "the layer kernels in bf16"
+        options.reset_fallback_warnings()
+        with pytest.warns(options.FallbackWarning, match="fused"):
+            p.announce()
+    else:
+        assert p.stack == "fused" and p.fallbacks == ()
+    # the layer kernels take widths in multiples of 16: C = 3 gives F = 18
+    odd = resolve("cuda", shapes=plan.Shapes(2, 2, 3, 1), stack="layers")
+    assert odd.stack == "linears" and odd.precision == "fp32"
+    assert "16" in odd.fallbacks[0][1]
+    l5 = resolve("cuda", shapes=plan.Shapes(5, 5, 4, 1))
+    assert l5.zonal == "reference" and l5.edge_frame == "reference"
+    assert {s for s, _, _ in l5.fallbacks} >= {"zonal_scatter", "edge_frame"}
+
+
+def test_plans_are_cached_and_read_the_environment_at_plan_time(monkeypatch):
+    model = ecekern.ECEModel(TINY)
+    assert model.plan() is model.plan()
+    monkeypatch.setenv("ECEKERN_STACK", "layers")
+    monkeypatch.setenv("ECEKERN_PRECISION", "fp32")
+    monkeypatch.setenv("ECEKERN_COHORT_EDGES", "4096")
+    p = model.plan()
+    assert p.options == Options(stack="layers", precision="fp32", cohort_edges=4096)
+    with options.use(stack="linears", precision="auto"):  # code wins over the env
+        assert model.plan().stack == "linears"
+    monkeypatch.setenv("ECEKERN_STACK", "Layers")
+    with pytest.raises(ValueError, match="ECEKERN_STACK"):
+        model.plan()
+    monkeypatch.setenv("ECEKERN_STACK", "auto")
+    monkeypatch.setenv("ECEKERN_COHORT_EDGES", "many")
+    with pytest.raises(ValueError, match="ECEKERN_COHORT_EDGES"):
+        model.plan()
+    env = {"ECEKERN_COHORT_EDGE": "5", "ECEKERN_COMMIT": "x", "ECEKERN_STACK": "x"}
+    assert options._unknown_variables(env) == ["ECEKERN_COHORT_EDGE"]  # misspelt
+
+
+def test_a_bad_option_is_refused_before_the_block_runs():
+    ran = []
+    with pytest.raises(ValueError, match="stack"):
+        with options.use(stack="fast"):
+            ran.append(1)
+    assert ran == [] and options.current() == Options()
+
+
+def test_the_repr_names_every_stage():
+    text = repr(resolve("cuda", memory="recompute", cohort_edges=1000))
+    for word in ("cuda sm_90", "float32", "zonal", "edge_frame", "stack", "memory",
+                 "recompute, cohorts of 1000 edges", "fallbacks"):  # fmt: skip
+        assert word in text
+    assert resolve("cpu").describe().startswith("zonal=reference,edge_frame=")
+
+
+def test_two_threads_with_different_options_get_their_own_plans_and_results():
+    """Each thread's ``options.use`` block is its own (a ContextVar): run at once,
+    behind a barrier, each gets the plan and the energy it gets alone."""
+    model = ecekern.ECEModel(TINY).double()
+    atoms = ecekern.systems.diamond(1, rattle=0.1, seed=3)
+    asks = {"a": dict(reference=True), "b": dict(linear="dense", memory="keep",
+                                                 cohort_edges=5)}  # fmt: skip
+    alone = {}
+    for name, ask in asks.items():
+        with options.use(**ask):
+            alone[name] = (model.plan(), ecekern.energy_and_forces(model, atoms))
+    assert alone["a"][0].linear == "einsum" and alone["b"][0].linear == "dense"
+    assert alone["b"][0].cohorts and not alone["a"][0].cohorts
+    barrier, got, errors = threading.Barrier(2), {}, []
+
+    def run(name):
+        try:
+            with options.use(**asks[name]):
+                barrier.wait(timeout=60)  # both blocks are open now
+                for _ in range(3):
+                    p = model.plan()
+                    e, f = ecekern.energy_and_forces(model, atoms)
+                    got.setdefault(name, []).append((p, e, f))
+                barrier.wait(timeout=60)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in asks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for name, runs in got.items():
+        plan_alone, (e0, f0) = alone[name]
+        for p, e, f in runs:
+            assert p is plan_alone
+            assert torch.equal(e, e0) and torch.equal(f, f0)
+    assert options.current() == Options()  # nothing leaked into this thread
+
+
+def test_set_options_is_scoped_to_its_thread():
+    seen = []
+
+    def other():
+        seen.append(options.current())
+
+    token_before = options.current()
+    previous = options.set_options(zonal="fused")
+    try:
+        assert options.current().zonal == "fused"
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert seen == [Options()]
+    finally:
+        options.reset()
+    assert previous == token_before and options.current() == Options()
