@@ -18,11 +18,12 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import cohorts, edge_frame, options, reference, so3, zonal
+from . import checkpoint, cohorts, edge_frame, options, reference, so3, zonal
 from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
+__all__ += ["unwrap"]
 
 #: The longest cutoff an :class:`ECEConfig` accepts, in Angstrom: a local potential's
 #: (the book's model has 5 A); longer ones make every atom a neighbour of every other.
@@ -159,6 +160,13 @@ class ECEConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> ECEConfig:
+        """The config of :meth:`to_dict`'s dict; an unknown key is a ValueError."""
+        if unknown := sorted(set(d) - set(cls.__dataclass_fields__)):
+            raise ValueError(f"unknown ECEConfig fields {unknown} (a newer ecekern's?)")
+        return cls(**d)
+
 
 class _Interaction(nn.Module):
     def __init__(self, cfg: ECEConfig):
@@ -204,6 +212,22 @@ def species_table(cfg: ECEConfig) -> torch.Tensor:
     return table
 
 
+_FLOATS = (torch.float32, torch.float64)  # the dtypes the model computes in
+_METHOD = {torch.float32: "float", torch.float64: "double"}
+
+
+def _dtype_advice(x: torch.dtype, model: torch.dtype) -> str:
+    """What to convert when positions in ``x`` meet a model in ``model``."""
+    if model not in _FLOATS:
+        return (f"the model is {model}; it computes in float32 or float64: convert "
+                "it (model.float() or model.double())")  # fmt: skip
+    fix = f"convert the positions (positions.to({model}))"
+    if x in _FLOATS:
+        fix += f" or the model (model.{_METHOD[x]}())"
+    return (f"positions are {x} but the model is {model}; the model computes in "
+            f"float32 or float64: {fix}")  # fmt: skip
+
+
 def _silu_mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
@@ -211,11 +235,14 @@ def _silu_mlp(sizes: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-class ECEModel(nn.Module):
+class ECEModel(checkpoint.Persistent, nn.Module):
     """Energy of an atomic system (eV), invariant under rotations, translations,
     permutations of atoms and the gauge of each edge frame.
 
     ``forward(positions (N, 3), numbers (N,), graph) -> energy ()``.
+
+    ``save(path)`` / ``ECEModel.load(path)`` write and read a checkpoint; the
+    ``state_dict()`` holds the config, checked on load (:mod:`ecekern.checkpoint`).
     """
 
     def __init__(self, config: ECEConfig | None = None):
@@ -307,11 +334,8 @@ class ECEModel(nn.Module):
             or positions.shape[1] != 3
         ):
             raise ValueError("positions must be a (N, 3) tensor")
-        if positions.dtype != p.dtype:
-            raise TypeError(
-                f"positions are {positions.dtype} but the model is {p.dtype}; "
-                f"use model.to({positions.dtype})"
-            )
+        if positions.dtype != p.dtype or p.dtype not in _FLOATS:
+            raise TypeError(_dtype_advice(positions.dtype, p.dtype))
         if positions.device != p.device:
             raise ValueError(
                 f"positions are on {positions.device}, the model on {p.device}"
@@ -339,6 +363,7 @@ class ECEModel(nn.Module):
             raise ValueError(
                 f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}"
             )
+        graph.check_cutoff(self.config.cutoff)
         for name in ("src", "dst", "shifts", "row_ptr", "cell"):
             t = getattr(graph, name)
             if t.device != positions.device:
@@ -459,6 +484,20 @@ class ECEModel(nn.Module):
         return e
 
 
+def unwrap(model) -> ECEModel:
+    """The :class:`ECEModel` of ``model``: itself, or the module that
+    ``torch.compile(model)`` wraps (``._orig_mod``); anything else is a TypeError."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, torch.nn.Module) and isinstance(inner, ECEModel):
+        return inner
+    if not isinstance(model, ECEModel):
+        raise TypeError(
+            f"model must be an ECEModel or torch.compile(ECEModel), got "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
 def prepare_inputs(atoms, cutoff: float, dtype=torch.float64, device="cpu"):
     """``(positions (N, 3), numbers (N,), graph)`` of an ``ase.Atoms`` on ``device``.
 
@@ -512,7 +551,8 @@ def energy_and_forces(
     (``ECEModel`` is built in the default dtype, float32), ``model.to("cuda")``.
 
     Args:
-        model: an :class:`ECEModel` in float32 or float64.
+        model: an :class:`ECEModel` in float32 or float64, or ``torch.compile`` of
+            one (the compiled module computes; the ECEModel gives config and checks).
         atoms: an ``ase.Atoms`` (positions in A, cell, pbc, atomic numbers).
         dtype: None (the model's dtype), or the model's dtype spelt out; any other is
             a TypeError naming the fix, ``model.to(dtype)``.
@@ -520,9 +560,8 @@ def energy_and_forces(
             is a ValueError naming the fix, ``model.to(device)``.
         create_graph: keep the graph of the forces (for a force-loss training step).
     """
-    if not isinstance(model, ECEModel):
-        raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
-    p = next(model.parameters())
+    module = unwrap(model)
+    p = next(module.parameters())
     if p.dtype not in (torch.float32, torch.float64):
         raise TypeError(
             f"the model is {p.dtype}; energy_and_forces computes in float32 or "
@@ -552,6 +591,6 @@ def energy_and_forces(
             )
     with torch.inference_mode(False):  # the graph is saved for the backward
         positions, numbers, graph = prepare_inputs(
-            atoms, model.config.cutoff, p.dtype, p.device
+            atoms, module.config.cutoff, p.dtype, p.device
         )
     return force_step(model, positions, numbers, graph, create_graph)
