@@ -447,7 +447,7 @@ class Graph:
     so they add exactly zero to the energy, the forces and the stress.
 
     ``cutoff`` (Angstrom, keyword-only and required) is the radius the neighbour list
-    was searched with: :func:`build_graph` sets it, :func:`with_cell`,
+    was searched with: :func:`build_graph` sets it, ``with_cell``,
     ``dataclasses.replace`` and :class:`~ecekern.graph_step.GraphStep` carry it, and
     the model refuses a graph whose cutoff is not its ``config.cutoff`` (the
     neighbours it needs would be missing, or extra). A Graph made by hand states it:

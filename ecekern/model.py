@@ -242,7 +242,7 @@ class ECEModel(checkpoint.Persistent, nn.Module):
     ``forward(positions (N, 3), numbers (N,), graph) -> energy ()``.
 
     ``save(path)`` / ``ECEModel.load(path)`` write and read a checkpoint; the
-    ``state_dict()`` holds the config, checked on load (:mod:`ecekern.checkpoint`).
+    ``state_dict()`` holds the config, checked on load (``ecekern.checkpoint``).
     """
 
     def __init__(self, config: ECEConfig | None = None):
