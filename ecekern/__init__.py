@@ -11,9 +11,10 @@ Quick start::
     atoms = ecekern.systems.diamond(repeats=2)
     model = ecekern.ECEModel(ecekern.ECEConfig())
     energy, forces = ecekern.energy_and_forces(model, atoms)
+    model.save("model.pt")  # ecekern.ECEModel.load("model.pt") reads it back
 """
 
-from . import options, reference, so3, systems
+from . import checkpoint, options, reference, so3, systems
 from .graph import Graph, build_graph, neighbor_list
 from .graph_step import GraphStep
 from .linear import EquivariantLinear
@@ -41,6 +42,7 @@ __all__ = [
     "GraphStep",
     "StepPlan",
     "build_graph",
+    "checkpoint",
     "energy_and_forces",
     "neighbor_list",
     "options",

@@ -39,7 +39,7 @@ from ase.calculators.calculator import (
 from .graph import build_graph, with_cell
 from .graph_step import GraphStep
 from .graph_step import strained as _strained
-from .model import ECEModel
+from .model import unwrap
 
 __all__ = ["ECECalculator"]
 
@@ -55,9 +55,11 @@ class ECECalculator(Calculator):
             and differs from the model's, to ``dtype`` (once, here). The calculator
             never converts it afterwards: if the model's dtype or device changes later,
             ``calculate()`` raises a ValueError naming the fix
-            (``model.to(dtype)`` / ``model.to(device)``).
+            (``model.to(dtype)`` / ``model.to(device)``). ``torch.compile(model)``
+            works too: the compiled module computes, the ECEModel inside it gives
+            the config and is the one moved.
         device: where to compute; default ``"cuda"`` when ``torch.cuda.is_available()``,
-            else ``"cpu"``.
+            else ``"cpu"``. ``"meta"`` (no data) is a ValueError.
         dtype: ``torch.float32`` or ``torch.float64``; default the dtype of the model's
             parameters (``ECEModel`` is built in float32; ``model.double()`` for
             float64, which is what long NVE runs want).
@@ -103,11 +105,15 @@ class ECECalculator(Calculator):
     default_parameters: dict = {}
 
     def __init__(self, model, device=None, dtype=None, graph_step=False, **kwargs):
-        if not isinstance(model, ECEModel):
-            raise TypeError(
-                f"model must be an ecekern.ECEModel, got {type(model).__name__}"
+        """See the class docstring: ``model``, ``device``, ``dtype``, ``graph_step``
+        and ASE's ``**kwargs``."""
+        module = unwrap(model)  # an ECEModel, or torch.compile of one
+        model_dtype = next(module.parameters()).dtype
+        if next(module.parameters()).is_meta:
+            raise ValueError(
+                "the model's parameters are on the meta device (shapes, no values): "
+                "load them first, e.g. ECEModel.load(path)"
             )
-        model_dtype = next(model.parameters()).dtype
         if dtype is None:
             dtype = model_dtype
         if dtype not in (torch.float32, torch.float64):
@@ -117,21 +123,26 @@ class ECECalculator(Calculator):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
+        if device.type == "meta":  # tensors without storage: nothing to compute on
+            raise ValueError(
+                f"device={str(device)!r} holds no data (a meta tensor has a shape "
+                "and no values): give a device that computes, e.g. 'cpu' or 'cuda'"
+            )
         if not isinstance(graph_step, bool):  # every check before the model changes
             raise TypeError(f"graph_step must be a bool, got {graph_step!r}")
         super().__init__(**kwargs)
         if dtype != model_dtype:  # only reachable with an explicit dtype
-            model.to(dtype=dtype)
-        model.to(device=device)
-        self.model = model
+            module.to(dtype=dtype)
+        module.to(device=device)
+        self.model = model  # what computes; unwrap(self.model): config and checks
         self.dtype = dtype
-        self.device = next(model.parameters()).device  # "cuda" -> "cuda:0"
+        self.device = next(module.parameters()).device  # "cuda" -> "cuda:0"
         self.graph_step = graph_step
         self._step: GraphStep | None = None  # kept while the atoms' numbers stay
         self._step_key = None
 
     def _check_model(self) -> None:
-        p = next(self.model.parameters())
+        p = next(unwrap(self.model).parameters())
         if p.dtype != self.dtype:
             raise ValueError(
                 f"the model is now {p.dtype} but this calculator computes in "
@@ -161,7 +172,8 @@ class ECECalculator(Calculator):
         positions = torch.as_tensor(atoms.get_positions(), **kw)
         cell = torch.as_tensor(atoms.cell.array, **kw)
         numbers = torch.as_tensor(atoms.numbers, dtype=torch.long, device=self.device)
-        graph = build_graph(positions, cell, atoms.pbc, self.model.config.cutoff)
+        cutoff = unwrap(self.model).config.cutoff
+        graph = build_graph(positions, cell, atoms.pbc, cutoff)
         if self.graph_step:
             e, grads = self._graph_step(positions, numbers, graph, periodic)
         else:

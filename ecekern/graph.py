@@ -445,6 +445,13 @@ class Graph:
     neighbour list refuses atoms closer than :data:`MIN_DISTANCE`). The model moves
     them beyond the cutoff, where the envelope and its derivative are exactly zero,
     so they add exactly zero to the energy, the forces and the stress.
+
+    ``cutoff`` (Angstrom, keyword-only and required) is the radius the neighbour list
+    was searched with: :func:`build_graph` sets it, ``with_cell``,
+    ``dataclasses.replace`` and :class:`~ecekern.graph_step.GraphStep` carry it, and
+    the model refuses a graph whose cutoff is not its ``config.cutoff`` (the
+    neighbours it needs would be missing, or extra). A Graph made by hand states it:
+    ``Graph(src, dst, shifts, row_ptr, cell, cutoff=5.0)``.
     """
 
     src: torch.Tensor  # (E,) int64
@@ -453,9 +460,35 @@ class Graph:
     row_ptr: torch.Tensor  # (N+1,) int64
     cell: torch.Tensor  # (3, 3) float
     padded: bool = False
+    cutoff: float = field(kw_only=True)  # Angstrom, the neighbour search's radius
     #: whether the values were checked (:func:`check_graph`); ``build_graph``'s are,
     #: a Graph made by hand or by ``dataclasses.replace`` is checked at first use
     checked: bool = field(default=False, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        c = self.cutoff
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.number)):
+            raise TypeError(
+                f"Graph.cutoff must be the neighbour search's radius in Angstrom (a "
+                f"number), got {c!r}; build_graph sets it"
+            )
+        if not (math.isfinite(c) and c >= MIN_DISTANCE):
+            raise ValueError(
+                f"Graph.cutoff must be a finite number >= MIN_DISTANCE = "
+                f"{MIN_DISTANCE} A, got {c!r}"
+            )
+        object.__setattr__(self, "cutoff", float(c))
+
+    def check_cutoff(self, cutoff: float) -> None:
+        """A ValueError unless ``self.cutoff`` is ``cutoff`` (a model's
+        ``config.cutoff``) to a relative 1e-9: a graph searched at another radius
+        lacks neighbours the model sees, or holds ones it does not."""
+        if not math.isclose(self.cutoff, cutoff, rel_tol=1e-9, abs_tol=0.0):
+            raise ValueError(
+                f"the graph was built with cutoff {self.cutoff:g} A but the model's "
+                f"cutoff is {cutoff:g} A; build it with build_graph(..., "
+                "cutoff=model.config.cutoff)"
+            )
 
     @property
     def n_edges(self) -> int:
@@ -469,7 +502,8 @@ class Graph:
 def with_cell(graph: Graph, cell: torch.Tensor) -> Graph:
     """The same graph with another cell (a strained one: the integer shifts stay);
     a checked graph stays checked."""
-    new = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, cell, graph.padded)
+    new = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, cell, graph.padded,
+                cutoff=graph.cutoff)  # fmt: skip
     object.__setattr__(new, "checked", graph.checked)
     return new
 
@@ -508,12 +542,14 @@ def build_graph(
 
     The checks of :func:`neighbor_list` run here, once per graph, not in the model's
     forward: among them, two atoms closer than :data:`MIN_DISTANCE` (or an atom and
-    another's periodic image) are a ValueError naming both atoms.
+    another's periodic image) are a ValueError naming both atoms. The graph records
+    ``cutoff`` (``Graph.cutoff``), which a model checks against its own.
     """
     positions, cell, pbc, cutoff = _check_system(positions, cell, pbc, cutoff)
     max_edges = _check_max_edges(max_edges)
     src, dst, shifts = _neighbor_list(positions, cell, pbc, cutoff, max_edges)
-    graph = Graph(src, dst, shifts, csr_row_ptr(dst, positions.shape[0]), cell)
+    row_ptr = csr_row_ptr(dst, positions.shape[0])
+    graph = Graph(src, dst, shifts, row_ptr, cell, cutoff=cutoff)
     object.__setattr__(graph, "checked", True)  # correct by construction
     return graph
 

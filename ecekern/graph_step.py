@@ -50,7 +50,7 @@ import torch
 
 from . import options
 from .graph import Graph, check_graph
-from .model import ECEModel
+from .model import ECEModel, unwrap
 from .plan import plan_for
 
 __all__ = ["GraphStep", "StepResult", "strained"]
@@ -83,7 +83,7 @@ class GraphStep:
 
     Args:
         model: an :class:`~ecekern.ECEModel`, on the device and in the dtype the step
-            runs in.
+            runs in, or ``torch.compile`` of one (which then computes the energy).
         numbers: ``(N,)`` atomic numbers; checked once, here.
         capacity: the edges the first capture holds (None: the first graph's edge
             count times ``headroom``).
@@ -98,7 +98,8 @@ class GraphStep:
             :class:`~ecekern.options.FallbackWarning`.
 
     ``step(positions, graph)`` returns a :class:`StepResult`. ``captures`` counts the
-    CUDA graphs captured so far (0 when eager); ``capacity`` is the edge capacity.
+    CUDA graphs captured so far (0 when eager); ``capacity`` is the edge capacity;
+    ``cutoff`` is the model's, which every graph must have been built with.
     """
 
     def __init__(
@@ -110,9 +111,8 @@ class GraphStep:
         stress: bool = False,
         graphs: bool | None = None,
     ):
-        if not isinstance(model, ECEModel):
-            raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
-        p = next(model.parameters())
+        module: ECEModel = unwrap(model)  # config, parameters and checks
+        p = next(module.parameters())
         if not isinstance(numbers, torch.Tensor) or numbers.ndim != 1:
             raise ValueError("numbers must be a (N,) tensor of atomic numbers")
         if numbers.device != p.device:
@@ -131,8 +131,8 @@ class GraphStep:
             raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
         with torch.inference_mode(False):  # a tensor with a version counter
             numbers = numbers.clone()
-        model.species_index(numbers)  # the check, once (a host sync)
-        self.model, self.numbers = model, numbers
+        module.species_index(numbers)  # the check, once (a host sync)
+        self.model, self.numbers, self.cutoff = model, numbers, module.config.cutoff
         self.N, self.dtype, self.device = numbers.shape[0], p.dtype, p.device
         self.headroom, self.stress = float(headroom), bool(stress)
         cuda = self.device.type == "cuda"
@@ -202,7 +202,8 @@ class GraphStep:
                 eps.requires_grad_(True)
                 wrt.append(eps)
                 x, cell = strained(x, eps), strained(cell, eps)
-            g = Graph(self._src, self._dst, self._shifts, self._row_ptr, cell, True)
+            g = Graph(self._src, self._dst, self._shifts, self._row_ptr, cell, True,
+                      cutoff=self.cutoff)  # fmt: skip
             object.__setattr__(g, "checked", True)  # _load keeps it a valid CSR
             energy = self.model(x, self.numbers, g)
             grads = torch.autograd.grad(energy, wrt)
@@ -246,6 +247,7 @@ class GraphStep:
             raise TypeError(f"positions are {positions.dtype}, the step {self.dtype}")
         if graph.n_nodes != self.N:
             raise ValueError(f"graph has {graph.n_nodes} nodes, the step {self.N}")
+        graph.check_cutoff(self.cutoff)
         for name in ("src", "dst", "shifts", "row_ptr", "cell"):
             t = getattr(graph, name)
             if t.device != self.device:

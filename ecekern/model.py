@@ -11,156 +11,21 @@ range, so a profile shows the time by stage. Forces are ``-dE/dx`` by autograd
 from __future__ import annotations
 
 import math
-import numbers as _numbers
 import weakref
-from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import cohorts, edge_frame, reference, so3, zonal
-from .graph import MIN_DISTANCE, Graph, build_graph, check_graph, edge_vectors
+from . import checkpoint, cohorts, edge_frame, reference, so3, zonal
+from .config import ECEConfig
+from .graph import Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
 from .plan import StepPlan, kernel_precision
 from .plan import plan_for as _plan_for
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
-
-#: The longest cutoff an :class:`ECEConfig` accepts, in Angstrom: a local potential's
-#: (the book's model has 5 A); longer ones make every atom a neighbour of every other.
-MAX_CUTOFF = 100.0
-
-
-@dataclass(frozen=True)
-class ECEConfig:
-    """Hyper-parameters of :class:`ECEModel`; the defaults are the book's model.
-
-    Attributes:
-        lmax: L, the largest degree, 1..6 (the model is tested at 1..4, the Wigner
-            matrices and harmonics to 6).
-        mmax: M <= L, the largest azimuthal order kept in the edge frame (None: L).
-        channels: C, channels per spherical component.
-        n_interactions: interaction layers (>= 1: only they make the energy depend on
-            the geometry).
-        n_gated: K, gated EquivariantLinear layers in each mixing stack.
-        cutoff: r_c in Angstrom, from ``MIN_DISTANCE`` (0.1) to
-            :data:`~ecekern.model.MAX_CUTOFF`.
-        n_rbf: Bessel radial basis functions.
-        radial_hidden: width of the radial MLP.
-        readout_hidden: width of the per-atom energy MLP.
-        avg_num_neighbors: k = 1/sqrt(avg_num_neighbors) normalises every neighbour sum
-            (diamond at 5 A has about 90).
-        species: the atomic numbers (1..118) the model knows, in embedding order.
-        seed: the parameters are drawn from a generator seeded with this.
-    """
-
-    lmax: int = 2
-    mmax: int | None = None
-    channels: int = 32
-    n_interactions: int = 2
-    n_gated: int = 2
-    cutoff: float = 5.0
-    n_rbf: int = 8
-    radial_hidden: int = 64
-    readout_hidden: int = 32
-    avg_num_neighbors: float = 90.0
-    species: tuple[int, ...] = (1, 6, 7, 8)
-    seed: int = 0
-
-    def __post_init__(self):
-        def pos_int(name, lo=1):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"ECEConfig.{name} must be an int >= {lo}, got {v!r}")
-
-        for name in ("lmax", "channels", "n_rbf", "radial_hidden", "readout_hidden"):
-            pos_int(name)
-        pos_int("n_gated", 0)
-        pos_int("n_interactions", 0)
-        pos_int("seed", 0)
-        if self.n_interactions == 0:
-            raise ValueError(
-                "ECEConfig.n_interactions must be >= 1, got 0: the energy is read from "
-                "the invariant features h[:, 0], which only an interaction layer makes "
-                "depend on the geometry (with none, E depends on the species alone)"
-            )
-        if self.lmax > 6:
-            raise ValueError(
-                f"ECEConfig.lmax={self.lmax} is beyond the tested range (<= 6)"
-            )
-        if self.mmax is not None and not (
-            isinstance(self.mmax, int)
-            and not isinstance(self.mmax, bool)
-            and 0 <= self.mmax <= self.lmax
-        ):
-            raise ValueError(f"ECEConfig.mmax must be in [0, lmax], got {self.mmax!r}")
-        cutoff = self.cutoff
-        if (
-            isinstance(cutoff, bool)
-            or not isinstance(cutoff, _numbers.Real)
-            or not MIN_DISTANCE <= cutoff <= MAX_CUTOFF
-        ):
-            raise ValueError(
-                f"ECEConfig.cutoff must be a number of Angstrom from {MIN_DISTANCE} to "
-                f"{MAX_CUTOFF:g} (a local potential; the book's model has 5), got "
-                f"{cutoff!r}"
-            )
-        object.__setattr__(self, "cutoff", float(cutoff))
-        k = self.avg_num_neighbors
-        if isinstance(k, bool) or not (
-            isinstance(k, _numbers.Real) and 0 < k < math.inf
-        ):
-            raise ValueError(
-                f"ECEConfig.avg_num_neighbors must be a positive finite number, got "
-                f"{k!r}"
-            )
-        try:
-            species = tuple(self.species)
-        except TypeError:
-            raise TypeError(
-                f"ECEConfig.species must be a sequence of atomic numbers, got "
-                f"{self.species!r}"
-            ) from None
-        if (
-            len(species) == 0
-            or len(set(species)) != len(species)
-            or not all(
-                isinstance(z, _numbers.Integral)
-                and not isinstance(z, bool)
-                and 1 <= z <= 118
-                for z in species
-            )
-        ):
-            raise ValueError(
-                "ECEConfig.species must be distinct atomic numbers from 1 to 118, got "
-                f"{self.species!r}"
-            )
-        object.__setattr__(self, "species", tuple(int(z) for z in species))
-
-    @property
-    def M(self) -> int:
-        return self.lmax if self.mmax is None else self.mmax
-
-    @property
-    def S(self) -> int:
-        return (self.lmax + 1) ** 2
-
-    @property
-    def n_ang(self) -> int:
-        return self.M + 1
-
-    @property
-    def F(self) -> int:
-        """Feature rows of the angular layout, 2C(L+1)."""
-        return 2 * self.channels * (self.lmax + 1)
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.avg_num_neighbors)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+__all__ += ["unwrap"]
 
 
 class _Interaction(nn.Module):
@@ -219,6 +84,22 @@ def species_table(cfg: ECEConfig) -> torch.Tensor:
     return table
 
 
+_FLOATS = (torch.float32, torch.float64)  # the dtypes the model computes in
+_METHOD = {torch.float32: "float", torch.float64: "double"}
+
+
+def _dtype_advice(x: torch.dtype, model: torch.dtype) -> str:
+    """What to convert when positions in ``x`` meet a model in ``model``."""
+    if model not in _FLOATS:
+        return (f"the model is {model}; it computes in float32 or float64: convert "
+                "it (model.float() or model.double())")  # fmt: skip
+    fix = f"convert the positions (positions.to({model}))"
+    if x in _FLOATS:
+        fix += f" or the model (model.{_METHOD[x]}())"
+    return (f"positions are {x} but the model is {model}; the model computes in "
+            f"float32 or float64: {fix}")  # fmt: skip
+
+
 def _silu_mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
@@ -226,11 +107,14 @@ def _silu_mlp(sizes: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-class ECEModel(nn.Module):
+class ECEModel(checkpoint.Persistent, nn.Module):
     """Energy of an atomic system (eV), invariant under rotations, translations,
     permutations of atoms and the gauge of each edge frame.
 
     ``forward(positions (N, 3), numbers (N,), graph) -> energy ()``.
+
+    ``save(path)`` / ``ECEModel.load(path)`` write and read a checkpoint; the
+    ``state_dict()`` holds the config, checked on load (``ecekern.checkpoint``).
     """
 
     def __init__(self, config: ECEConfig | None = None):
@@ -322,11 +206,8 @@ class ECEModel(nn.Module):
             or positions.shape[1] != 3
         ):
             raise ValueError("positions must be a (N, 3) tensor")
-        if positions.dtype != p.dtype:
-            raise TypeError(
-                f"positions are {positions.dtype} but the model is {p.dtype}; "
-                f"use model.to({positions.dtype})"
-            )
+        if positions.dtype != p.dtype or p.dtype not in _FLOATS:
+            raise TypeError(_dtype_advice(positions.dtype, p.dtype))
         if positions.device != p.device:
             raise ValueError(
                 f"positions are on {positions.device}, the model on {p.device}"
@@ -354,6 +235,7 @@ class ECEModel(nn.Module):
             raise ValueError(
                 f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}"
             )
+        graph.check_cutoff(self.config.cutoff)
         for name in ("src", "dst", "shifts", "row_ptr", "cell"):
             t = getattr(graph, name)
             if t.device != positions.device:
@@ -477,6 +359,20 @@ class ECEModel(nn.Module):
         return e
 
 
+def unwrap(model) -> ECEModel:
+    """The :class:`ECEModel` of ``model``: itself, or the module that
+    ``torch.compile(model)`` wraps (``._orig_mod``); anything else is a TypeError."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, torch.nn.Module) and isinstance(inner, ECEModel):
+        return inner
+    if not isinstance(model, ECEModel):
+        raise TypeError(
+            f"model must be an ECEModel or torch.compile(ECEModel), got "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
 def prepare_inputs(atoms, cutoff: float, dtype=torch.float64, device="cpu"):
     """``(positions (N, 3), numbers (N,), graph)`` of an ``ase.Atoms`` on ``device``.
 
@@ -530,7 +426,8 @@ def energy_and_forces(
     (``ECEModel`` is built in the default dtype, float32), ``model.to("cuda")``.
 
     Args:
-        model: an :class:`ECEModel` in float32 or float64.
+        model: an :class:`ECEModel` in float32 or float64, or ``torch.compile`` of
+            one (the compiled module computes; the ECEModel gives config and checks).
         atoms: an ``ase.Atoms`` (positions in A, cell, pbc, atomic numbers).
         dtype: None (the model's dtype), or the model's dtype spelt out; any other is
             a TypeError naming the fix, ``model.to(dtype)``.
@@ -538,9 +435,8 @@ def energy_and_forces(
             is a ValueError naming the fix, ``model.to(device)``.
         create_graph: keep the graph of the forces (for a force-loss training step).
     """
-    if not isinstance(model, ECEModel):
-        raise TypeError(f"model must be an ECEModel, got {type(model).__name__}")
-    p = next(model.parameters())
+    module = unwrap(model)
+    p = next(module.parameters())
     if p.dtype not in (torch.float32, torch.float64):
         raise TypeError(
             f"the model is {p.dtype}; energy_and_forces computes in float32 or "
@@ -570,6 +466,6 @@ def energy_and_forces(
             )
     with torch.inference_mode(False):  # the graph is saved for the backward
         positions, numbers, graph = prepare_inputs(
-            atoms, model.config.cutoff, p.dtype, p.device
+            atoms, module.config.cutoff, p.dtype, p.device
         )
     return force_step(model, positions, numbers, graph, create_graph)

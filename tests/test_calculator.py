@@ -251,3 +251,58 @@ def test_isolated_atom_has_zero_force(model):
     atom.calc = ECECalculator(model)
     assert np.isfinite(atom.get_potential_energy())
     np.testing.assert_array_equal(atom.get_forces(), np.zeros((1, 3)))
+
+
+# 7. ----------------------------------------------------------------------------------
+class _Wrapped(torch.nn.Module):
+    """What ``torch.compile(model)`` returns, as far as the calculator looks: a
+    module whose ``_orig_mod`` is the ECEModel and whose call computes."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._orig_mod = model
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self._orig_mod(*args)
+
+
+def test_a_compiled_model_is_accepted():
+    """The wrapper computes, the ECEModel inside gives config, dtype and device (and
+    is the one converted); ``torch.compile`` wraps so too (``test_model``)."""
+    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1, cutoff=3.0))
+    wrapped = _Wrapped(model)
+    atoms = _box()
+    atoms.calc = ECECalculator(wrapped, device="cpu", dtype=torch.float64)
+    assert next(model.parameters()).dtype == torch.float64
+    e = atoms.get_potential_energy()
+    assert wrapped.calls == 1
+    assert e == pytest.approx(float(ecekern.energy_and_forces(model, atoms)[0]))
+    assert np.isfinite(atoms.get_stress()).all()
+    assert ECECalculator(torch.compile(model), device="cpu").model._orig_mod is model
+    with pytest.raises(TypeError, match="ECEModel or torch.compile"):
+        ECECalculator(_Wrapped(torch.nn.Linear(3, 1)))
+
+
+def test_a_device_without_data_is_refused():
+    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1, cutoff=3.0))
+    with pytest.raises(ValueError, match="device='meta' holds no data"):
+        ECECalculator(model, device="meta")
+    assert next(model.parameters()).device.type == "cpu"  # left where it was
+    with pytest.raises(ValueError, match="meta device .* ECEModel.load"):
+        ECECalculator(model.to("meta"), device="cpu")
+
+
+def test_help_shows_the_calculator_arguments():
+    """ASE's Calculator must not hide the constructor: the signature and pydoc's
+    page name the arguments."""
+    import inspect
+    import pydoc
+
+    params = inspect.signature(ECECalculator).parameters
+    assert list(params)[:4] == ["model", "device", "dtype", "graph_step"]
+    page = pydoc.render_doc(ECECalculator, renderer=pydoc.plaintext)
+    for name in ("model:", "device:", "dtype:", "graph_step:", "torch.compile"):
+        assert name in page
+    assert "ECECalculator(model, device=None, dtype=None, graph_step=False" in page

@@ -120,6 +120,34 @@ def test_order_is_deterministic_and_csr_matches():
     assert g1.row_ptr[0] == 0 and g1.row_ptr[-1] == g1.n_edges
 
 
+def test_the_graph_records_its_cutoff():
+    """build_graph sets ``cutoff``; with_cell and dataclasses.replace carry it; a
+    Graph made by hand must state it (keyword-only), as a number of Angstrom."""
+    import dataclasses
+
+    from ecekern.graph import Graph, with_cell
+
+    atoms = ecekern.systems.diamond(1)
+    pos, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+    g = build_graph(pos, cell, True, np.float32(2.5))
+    assert g.cutoff == 2.5 and type(g.cutoff) is float
+    assert with_cell(g, cell * 1.01).cutoff == 2.5
+    assert dataclasses.replace(g, padded=True).cutoff == 2.5
+    parts = (g.src, g.dst, g.shifts, g.row_ptr, g.cell)
+    with pytest.raises(TypeError, match="cutoff"):
+        Graph(*parts)
+    with pytest.raises(TypeError, match="cutoff"):
+        Graph(*parts, True)  # padded, positionally: the cutoff is still wanted
+    assert Graph(*parts, cutoff=4).cutoff == 4.0
+    for bad, err in ((None, TypeError), (True, TypeError), ("5", TypeError),
+                     (float("nan"), ValueError), (0.01, ValueError)):  # fmt: skip
+        with pytest.raises(err, match="Graph.cutoff must be"):
+            Graph(*parts, cutoff=bad)
+    g.check_cutoff(2.5 * (1 + 1e-12))  # rounding is not a difference
+    with pytest.raises(ValueError, match="built with cutoff 2.5 A but the model's"):
+        g.check_cutoff(2.6)
+
+
 def test_csr_row_ptr_with_empty_nodes():
     dst = torch.tensor([0, 0, 2, 2, 2, 5])
     assert csr_row_ptr(dst, 7).tolist() == [0, 2, 2, 5, 5, 5, 6, 6]

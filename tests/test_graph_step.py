@@ -15,7 +15,7 @@ from ase.md.verlet import VelocityVerlet
 import ecekern
 from ecekern import options
 from ecekern.calculator import ECECalculator
-from ecekern.graph import build_graph, edge_vectors
+from ecekern.graph import build_graph, csr_row_ptr, edge_vectors
 from ecekern.graph_step import CAPACITY_QUANTUM, GraphStep
 from ecekern.host_sync import HostSyncAudit
 from ecekern.model import force_step, prepare_inputs
@@ -253,13 +253,16 @@ def test_a_hand_made_graph_is_checked_once(model):
     pos, numbers, graph = _inputs()
     perm = torch.randperm(graph.n_edges, generator=torch.Generator().manual_seed(0))
     shuffled = Graph(graph.src[perm.to(DEV)], graph.dst[perm.to(DEV)],
-                     graph.shifts[perm.to(DEV)], graph.row_ptr, graph.cell)  # fmt: skip
+                     graph.shifts[perm.to(DEV)], graph.row_ptr, graph.cell,
+                     cutoff=graph.cutoff)  # fmt: skip
     step = GraphStep(model, numbers, graphs=False)
     with pytest.raises(ValueError, match="sorted|CSR"):
         step(pos, shuffled)
     with pytest.raises(ValueError, match="sorted|CSR"):
         model(pos, numbers, shuffled)
-    same = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, graph.cell)
+    same = Graph(
+        graph.src, graph.dst, graph.shifts, graph.row_ptr, graph.cell, cutoff=2.6
+    )
     with HostSyncAudit() as first:
         model(pos, numbers, same)
     with HostSyncAudit() as again:
@@ -301,6 +304,7 @@ def test_atoms_without_edges(model):
         ("graph", TypeError, "ecekern.Graph"),
         ("padded", ValueError, "padded"),
         ("nodes", ValueError, "nodes"),
+        ("cutoff", ValueError, r"built with cutoff 3 A but the model's cutoff is 2\.6"),
     ],
 )
 def test_bad_step_inputs(model, change, err, match):
@@ -318,8 +322,27 @@ def test_bad_step_inputs(model, change, err, match):
         graph = dataclasses.replace(graph, padded=True)
     elif change == "nodes":
         graph = dataclasses.replace(graph, row_ptr=graph.row_ptr[:-1])
+    elif change == "cutoff":  # the same edges, said to be searched at 3 A
+        graph = dataclasses.replace(graph, cutoff=3.0)
     with pytest.raises(err, match=match):
         step(pos, graph)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call")
+def test_a_compiled_model_steps(model):
+    """``torch.compile(model)`` is accepted: the ECEModel inside gives the species
+    check, dtype, device and cutoff, the compiled module computes (Dynamo's eager
+    backend here: the CPU test stays fast)."""
+    pos, numbers, graph = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    step = GraphStep(compiled, numbers, graphs=False)
+    assert step.model is compiled and step.cutoff == TINY.cutoff
+    out = step(pos, graph)
+    e, f = force_step(model, pos, numbers, graph)
+    assert rel_err(out.energy, e) < 1e-12 and rel_err(out.forces, f) < 1e-12
+    with pytest.raises(ValueError, match="built with cutoff 3 A"):
+        step(pos, dataclasses.replace(graph, cutoff=3.0))
 
 
 def test_bad_step_construction(model):
@@ -455,7 +478,10 @@ def test_gpu_capacity_overflow_recaptures(caplog):
         out = step(pos, graph)
     assert step.captures == 1 and "capturing" in caplog.text
     small = GraphStep(model, numbers, headroom=1.0)
-    sub = ecekern.graph.build_graph(pos, graph.cell, True, 3.0)  # fewer edges first
+    keep = edge_vectors(pos, graph).norm(dim=-1) < 3.0  # fewer edges first
+    sub = ecekern.Graph(graph.src[keep], graph.dst[keep], graph.shifts[keep],
+                        csr_row_ptr(graph.dst[keep], graph.n_nodes), graph.cell,
+                        cutoff=graph.cutoff)  # fmt: skip
     small(pos, sub)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ecekern.graph_step"):

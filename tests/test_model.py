@@ -333,3 +333,68 @@ def test_forces_under_no_grad_and_inference_mode(box):
 def test_a_bad_seed_is_an_error():
     with pytest.raises(ValueError, match="seed"):
         ecekern.ECEConfig(seed=1.5)
+
+
+def test_a_graph_of_another_cutoff_is_refused():
+    """A graph searched at another radius misses neighbours the model sees (or holds
+    ones it does not): the forward refuses it, naming both cutoffs."""
+    cfg = ecekern.ECEConfig(channels=4, n_gated=1, cutoff=3.0)
+    model = ecekern.ECEModel(cfg).double()
+    atoms = ecekern.systems.diamond(repeats=1)
+    pos, numbers, graph = _inputs(atoms, cutoff=3.0)
+    e = model(pos, numbers, graph)
+    assert torch.equal(model(pos, numbers, _inputs(atoms, 3.0 + 1e-12)[2]), e)
+    for rc in (2.0, 4.0):
+        with pytest.raises(ValueError, match=f"cutoff {rc:g} A but the model's cutoff"):
+            model(pos, numbers, _inputs(atoms, cutoff=rc)[2])
+
+
+@pytest.mark.parametrize(
+    "x, model_dtype, advice",
+    [
+        (torch.float16, torch.float32, r"positions are torch\.float16 .* float32 or "
+         r"float64: convert the positions \(positions\.to\(torch\.float32\)\)$"),
+        (torch.int64, torch.float64, r"positions\.to\(torch\.float64\)\)$"),
+        (torch.float64, torch.float32, r"positions\.to\(torch\.float32\)\) or the "
+         r"model \(model\.double\(\)\)$"),
+        (torch.float32, torch.float64, r"or the model \(model\.float\(\)\)$"),
+        (torch.float16, torch.float16, r"the model is torch\.float16; .* convert it "
+         r"\(model\.float\(\) or model\.double\(\)\)"),
+    ],
+)  # fmt: skip
+def test_dtype_errors_name_a_conversion_that_works(x, model_dtype, advice):
+    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1, cutoff=3.0))
+    model.to(model_dtype)
+    pos, numbers, graph = _inputs(ecekern.systems.diamond(repeats=1), cutoff=3.0)
+    with pytest.raises(TypeError, match=advice):
+        model(pos.to(x), numbers, graph)
+    floats = (torch.float32, torch.float64)
+    if model_dtype in floats:  # the positions' fix works
+        assert torch.isfinite(model(pos.to(model_dtype), numbers, graph))
+    if x in floats:  # and the model's
+        assert torch.isfinite(model.to(x)(pos.to(x), numbers, graph))
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call")
+def test_energy_and_forces_takes_a_compiled_model():
+    """``torch.compile(model)`` (an ``OptimizedModule`` wrapping it) is accepted:
+    the ECEModel inside gives the config and the checks, the compiled module
+    computes. Dynamo's ``eager`` backend keeps the CPU test fast (inductor's C++
+    compile would take minutes on the interpreter's paths); the wrapping is the
+    same for every backend."""
+    from ecekern.model import unwrap
+
+    cfg = ecekern.ECEConfig(channels=4, n_gated=1, cutoff=3.0, radial_hidden=8,
+                            readout_hidden=4)  # fmt: skip
+    model = ecekern.ECEModel(cfg).double()
+    atoms = ecekern.systems.diamond(repeats=1, rattle=0.1, seed=1)
+    e, f = ecekern.energy_and_forces(model, atoms)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    assert unwrap(compiled) is model and unwrap(model) is model
+    e2, f2 = ecekern.energy_and_forces(compiled, atoms)
+    assert rel_err(e2, e) < 1e-12 and rel_err(f2, f) < 1e-12
+    with pytest.raises(TypeError, match="ECEModel or torch.compile"):
+        ecekern.energy_and_forces(torch.compile(torch.nn.Linear(3, 1)), atoms)
+    with pytest.raises(TypeError, match="ECEModel or torch.compile"):
+        ecekern.energy_and_forces(torch.nn.Linear(3, 1), atoms)
