@@ -171,18 +171,42 @@ class _Interaction(nn.Module):
         self.node_weight = nn.Parameter(torch.randn(L + 1, C, C) / math.sqrt(C))
 
 
+#: The ``cohort_fused`` option's products -> :func:`ecekern.cohorts.mixing_stack`'s
+#: precision names.
+_OPTION_PRECISIONS = {
+    "ieee": "fp32",
+    "tf32x3": "3xtf32",
+    "tf32": "tf32",
+    "bf16": "bf16",
+}
+
+
+def _stack_kernels(option: str | None) -> tuple[str | None, str]:
+    """``(kernels, precision)`` for :func:`ecekern.cohorts.mixing_stack` from
+    :func:`ecekern.options.cohort_precision`'s answer: None -> the linears; a
+    product precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``) -> the
+    layer kernels; that name with the fused stack's suffix -> the fused stack."""
+    if option is None:
+        return None, "fp32"
+    products, suffix, rest = option.partition("-")
+    if products not in _OPTION_PRECISIONS or rest not in ("", "stack"):
+        raise ValueError(f"cohort_fused {option!r} names no stack kernels")
+    return ("fused" if suffix else "layers"), _OPTION_PRECISIONS[products]
+
+
 def _cohort_stack(layer: _Interaction, x_cos, x_sin, x_rebuild=None):
     """The layer's mixing stack through :func:`ecekern.cohorts.mixing_stack`, with
     the layer's own EquivariantLinear path and the ``cohort_edges``,
     ``cohort_recompute`` and ``cohort_fused`` options. The rows' m = 0 sin column
     is zero by construction (:func:`ecekern.reference.rotate_and_select`), so the
-    layer kernels skip it (``sin0_zero``); the linears compute on it as it is (a
+    stack kernels skip it (``sin0_zero``); the linears compute on it as it is (a
     zeroed copy would be one more activation kept), also where the kernels were
     asked for and fall back (then ``mixing_stack`` zeroes a copy itself).
     ``x_rebuild`` makes the rows again (:meth:`ECEModel._rebuild`): the stack then
     keeps none of them."""
     path, now = layer.out.path, options.current()
-    fused = options.cohort_precision(x_cos.device.type, x_cos.dtype)
+    option = options.cohort_precision(x_cos.device.type, x_cos.dtype)
+    kernels, precision = _stack_kernels(option)
 
     def linear(xc, xs, w, b):
         return equivariant_linear(xc, xs, w, b, path)
@@ -190,8 +214,8 @@ def _cohort_stack(layer: _Interaction, x_cos, x_sin, x_rebuild=None):
     return cohorts.mixing_stack(
         x_cos, x_sin, [lin.weight for lin in layer.gated],
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias, linear,
-        now.cohort_edges, now.cohort_recompute, fused, sin0_zero=fused is not None,
-        x_rebuild=x_rebuild,
+        now.cohort_edges, now.cohort_recompute, kernels, precision,
+        sin0_zero=kernels is not None, x_rebuild=x_rebuild,
     )  # fmt: skip
 
 

@@ -1,14 +1,14 @@
 """The fused stack's weights: made ready once a call on the host, streamed from L2
 through a ring of ``[64, BK]`` boxes in shared memory by TMA, and multiplied a K step
 (BK inputs) at a time on the tensor cores or the FMA units
-(:mod:`ecekern.cohorts.fused` runs it).
+(:mod:`ecekern.stack_fused` runs it).
 
 Formula: one K step adds ``a[:, k0:k0+BK] @ W[n0:n0+64, k0:k0+BK]^T`` to each of a
 tile's accumulators: by IEEE fp32 FMAs (``"ieee"``, a from shared memory); in
 TF32; in bf16 (a rounded in registers, W once a call); or in 3xTF32 as
 ``lo hi + hi lo + hi hi`` with ``a = hi + lo`` split in registers
 (``_round_tf32``) and W split once a call
-(:func:`~ecekern.cohorts.layer_kernels.split_tf32`), the small products first.
+(``ecekern._stack_common.split_tf32``), the small products first.
 
 Shapes: the gated layers' W stacked ``(K 3 F, F)`` (W^T, last layer first, for the
 backward; both, ``(2 K 3 F, F)``, for the backward that recomputes the forward),
@@ -21,7 +21,7 @@ gated layers' twice in the recomputing backward (twice that in 3xTF32, half in
 bf16); 72 KiB of shared memory at ``STAGES = 3`` (36 KiB in
 bf16).
 
-Status: used by :mod:`ecekern.cohorts.fused` (sm_90); compiled for sm_90 without a
+Status: used by :mod:`ecekern.stack_fused` (sm_90); compiled for sm_90 without a
 GPU in the tests, run against fp64 on the H200 through the fused stack's GPU tests.
 """
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .._stack_common import split_tf32
 from .._triton import fma_dot, gl, gluon
-from .layer_kernels import split_tf32
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,21 +43,22 @@ if gluon is not None:
 
 __all__ = [
     "BK",
-    "PRECISIONS",
+    "F_IN",
+    "F_OUT",
+    "N_ANG",
     "STAGES",
+    "TILE",
     "backward_weights",
     "forward_weights",
 ]
 
-#: The shapes the kernels are written for: features, outputs, orders.
-F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products, strict fp32 on the FMA units, or on the tensor
-#: cores TF32, fp32-accurate 3xTF32 (``hi lo + lo hi + hi hi``) or bf16 operands
-#: (rounded to nearest, fp32 sums).
-PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+#: The shapes the kernels are written for: features, outputs, orders, and the edges
+#: of a tile (64 rows of a product: its 32 cos rows over its 32 sin rows).
+F_IN, F_OUT, N_ANG, TILE = 192, 96, 3, 32
 #: Inputs a K step (a box of W is ``[64, BK]``, fp32, or bf16 in bf16) and K steps
-#: of W in flight, per precision: 3xTF32 streams W's TF32 part and remainder, twice
-#: the bytes a step.
+#: of W in flight, per precision (the kernels' names: strict fp32 ``"ieee"`` on the
+#: FMA units, or on the tensor cores TF32, fp32-accurate 3xTF32 ``"tf32x3"`` or bf16
+#: operands): 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
 BK = {"ieee": 32, "tf32": 32, "tf32x3": 16, "bf16": 32}
 STAGES = 3
 
@@ -70,6 +71,9 @@ def _jit(fn=None, **kw):
 
 #: Host functions the kernels call at compile time (layouts, box counts).
 _constexpr_fn = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
+_cx = gl.constexpr if gluon is not None else (lambda v: v)
+#: The shapes as the kernels read them (constexpr globals).
+F_K, FO_K, TILE_K = _cx(F_IN), _cx(F_OUT), _cx(TILE)
 
 
 # --------------------------------------------------------------------------------------
@@ -79,7 +83,7 @@ _constexpr_fn = gluon.constexpr_function if gluon is not None else (lambda fn: f
 def _acc_layout(FMA, BF16, num_warps):
     """An accumulator ``[64 rows, 64 outputs]``: ``wgmma``'s (K 8 an instruction,
     16 in bf16), or on the FMA units each thread 4 x 4, rows and outputs 16 apart
-    (:func:`~.fused_ring._fma`)."""
+    (:func:`_fma`)."""
     if FMA:
         return gl.BlockedLayout([1, 1], [4, 8], [4, num_warps // 4], [1, 0])
     warps = [4, num_warps // 4]
@@ -349,7 +353,7 @@ def _desc(w2d: torch.Tensor, bk: int):
 
 def _descs(w2d: torch.Tensor, precision: str) -> tuple:
     """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
-    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice: fp32 (strict
+    ``ecekern._stack_common.split_tf32``), or of W twice: fp32 (strict
     fp32, TF32), or rounded to bf16 (bf16)."""
     bk = BK[precision]
     if precision == "tf32x3":

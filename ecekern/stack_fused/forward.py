@@ -1,9 +1,9 @@
 """The fused stack's forward kernel, and the gated layers that the recomputing
-backward (:mod:`ecekern.cohorts.fused`) runs again: one kernel per tile of edges,
+backward (:mod:`.backward`) runs again: one kernel per tile of edges,
 the tile on chip, on the tensor cores (Gluon, Hopper ``wgmma``) or, in strict fp32,
 on the FMA units.
 
-Formula (``ecekern.cohorts.layers``; per edge e, order m, cos and sin alike)::
+Formula (:mod:`ecekern.stack_fused`; per edge e, order m, cos and sin alike)::
 
     u_0 = x;  z_k = W_k[m] u_(k-1) (+ b_k at m = 0, cos);  u_k = u_(k-1) + gate(z_k)
     y = W_out[m] u_K (+ b_out at m = 0, cos)
@@ -12,7 +12,7 @@ A program owns a tile of 32 edges at a time: 64 rows per order, the 32 cos rows 
 the 32 sin rows, one ``wgmma`` row block. Its state u, ``3 x 64 x F`` fp32 (147 KB
 at F = 192), stays in shared memory through every layer; the weights stream through
 a ring of ``[64, BK]`` boxes by TMA, from L2 (every program reads all of them, once
-a tile), three K steps in flight (:mod:`~ecekern.cohorts.fused_ring`). For each
+a tile), three K steps in flight (:mod:`.ring`). For each
 layer and order the tile's rows meet the box of each 64 outputs, BK inputs at a
 time: on the tensor cores from registers (the A operand), two warpgroups each taking
 half of every box's outputs; on the FMA units from shared memory, four inputs at a
@@ -36,14 +36,14 @@ F' = F/2 (2.9 with ``sin0``); y only, ``1 + F'/F``: 1.5 (1.25). L2: all the weig
 once a tile. FLOPs: ``4 n_ang (K F^2 + F' F) n``, the m = 0 sin rows included;
 three times that on the tensor cores in 3xTF32.
 
-Status: launched by :func:`ecekern.cohorts.fused.forward` (n_ang = 3, F = 192,
+Status: launched by ``ecekern.stack_fused.launch.forward`` (n_ang = 3, F = 192,
 F' = 96, sm_90); its gated layers also run in the recomputing backward kernel.
 """
 
 from __future__ import annotations
 
 from .._triton import gl, gluon
-from .fused_ring import (
+from .ring import (
     _acc_layout,
     _chunk,
     _fold,
@@ -55,9 +55,6 @@ from .fused_ring import (
     _retire,
     _ring,
 )
-
-if gluon is not None:
-    pass
 
 __all__ = ["WARPS"]
 
@@ -167,7 +164,7 @@ def _fwd_product(u_s, m, cb, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo, more,
                  a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
     """The tile's rows of order m (u, shared) times a matrix's NBOX boxes of 64
     outputs: the ring sequence's chunks ``cb ..`` (the tile's first at count g0;
-    the sequence's regions as :func:`~.fused_ring._load_w` has them). The
+    the sequence's regions as :func:`.ring._load_w` has them). The
     accumulators, every product done; the forward's strict fp32 sums from zero in
     one chunk."""
     KS: gl.constexpr = 64 // BK  # K steps a box of u
