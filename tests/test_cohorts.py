@@ -996,6 +996,26 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
     assert torch.equal(y[0], fwd(xc, xs, ws, bs, wo, bo, "fp32", 3)[0])
 
 
+def test_model_translates_the_cohort_fused_option():
+    """Until the step plan reads the options itself, the model maps each
+    ``cohort_fused`` answer to ``mixing_stack``'s ``(kernels, precision)``: the
+    products' name alone is the layer kernels, with the stack suffix the fused
+    stack; None is the linears; anything else is an error."""
+    from ecekern.model import _stack_kernels
+
+    names = {"ieee": "fp32", "tf32x3": "3xtf32", "tf32": "tf32", "bf16": "bf16"}
+    for option in options.COHORT_FUSED[2:]:
+        kernels, precision = _stack_kernels(option)
+        products, _, stack = option.partition("-")
+        assert kernels == ("fused" if stack else "layers"), option
+        assert precision == names[products], option
+        assert kernels in cohorts.KERNELS and precision in cohorts.PRECISIONS
+    assert _stack_kernels(None) == (None, "fp32")
+    for bad in ("fp32", "3xtf32", "ieee-fused", "ieee-stack-stack", "auto", "off"):
+        with pytest.raises(ValueError, match="names no stack kernels"):
+            _stack_kernels(bad)
+
+
 def test_cohort_precision_auto():
     """``cohort_fused="auto"``: 3xTF32 for float32 on CUDA (with or without
     ``cohort_recompute``), the linears otherwise (float64, the CPU); a named

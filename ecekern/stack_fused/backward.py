@@ -31,6 +31,9 @@ from __future__ import annotations
 from .._triton import gl
 from .forward import BOX, BOX16, _gated_layer, _load_x, _rows, _sigmoid
 from .ring import (
+    F_K,
+    FO_K,
+    TILE_K,
     _acc_layout,
     _chunk,
     _fold,
@@ -53,7 +56,7 @@ __all__: list[str] = []
 def _half(e0, E, c0, BK: gl.constexpr, t_l: gl.constexpr):
     """Edge offsets, mask and input columns ``c0 ..`` of a ``[32, BK]`` half of a K
     step."""
-    r = gl.arange(0, 32, layout=gl.SliceLayout(1, t_l))
+    r = gl.arange(0, TILE_K, layout=gl.SliceLayout(1, t_l))
     col = c0 + gl.arange(0, BK, layout=gl.SliceLayout(0, t_l))[None, :]
     return (e0 + r)[:, None], (e0 + r < E)[:, None], col
 
@@ -116,15 +119,15 @@ def _dz(u_s, a_s, p, z1c, z1s, z2c, z2s, m, jb, kh: gl.constexpr,
     as the m = 0 cos row's ``t = sum_(m>=1) du_m z_m`` over both wants."""
     s = _sigmoid(p)
     box = u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1)
-    du_c = box.slice(0, 32, dim=0).load(t_l)
-    du_s = box.slice(32, 32, dim=0).load(t_l)
+    du_c = box.slice(0, TILE_K, dim=0).load(t_l)
+    du_s = box.slice(TILE_K, TILE_K, dim=0).load(t_l)
     if m == 0:
         b1 = u_s.index(3 + jb).slice(BK * kh, BK, dim=1)
         b2 = u_s.index(6 + jb).slice(BK * kh, BK, dim=1)
-        t = b1.slice(0, 32, dim=0).load(t_l) * z1c
-        t += b1.slice(32, 32, dim=0).load(t_l) * z1s
-        t += b2.slice(0, 32, dim=0).load(t_l) * z2c
-        t += b2.slice(32, 32, dim=0).load(t_l) * z2s
+        t = b1.slice(0, TILE_K, dim=0).load(t_l) * z1c
+        t += b1.slice(TILE_K, TILE_K, dim=0).load(t_l) * z1s
+        t += b2.slice(0, TILE_K, dim=0).load(t_l) * z2c
+        t += b2.slice(TILE_K, TILE_K, dim=0).load(t_l) * z2s
         ds = s * (1.0 - s)
         lo = du_c * (s + p * ds) + t * ds
         hi = du_s  # the m = 0 sin passes
@@ -159,13 +162,13 @@ def _fused_bwd_kernel(
     BK: gl.constexpr, STG: gl.constexpr, RECOMP: gl.constexpr, HAS_B: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    F: gl.constexpr = 192
-    FO: gl.constexpr = 96
+    F: gl.constexpr = F_K
+    FO: gl.constexpr = FO_K
     KS: gl.constexpr = 64 // BK  # K steps a box of du
-    KH: gl.constexpr = 32 // BK  # K steps of 32 outputs of dy
-    KO: gl.constexpr = 96 // BK  # K steps of W_out^T, [192, BK] each
+    KH: gl.constexpr = FO // 3 // BK  # K steps of a third of dy's outputs (32)
+    KO: gl.constexpr = FO // BK  # K steps of W_out^T, [F, BK] each
     NO: gl.constexpr = 3 * KO
-    KA: gl.constexpr = 192 // BK  # K steps of a gated layer's W or W^T
+    KA: gl.constexpr = F // BK  # K steps of a gated layer's W or W^T
     # the sequence: with RECOMP the gated layers' W first (NA chunks), then W_out^T,
     # then the gated layers' W^T, last layer first
     NA: gl.constexpr = K * 3 * KA if RECOMP else 0
@@ -182,20 +185,24 @@ def _fused_bwd_kernel(
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX)
     else:
         a_s = gl.allocate_shared_memory(gl.float32, [64, BK], BOX16)
-    ring, ready = _ring(wt_desc, X3, STG, BK)
+    rr = _ring(wt_desc, X3, STG, BK)
+    # the weights' sequence (ring._load_w): (W,) W_out^T in three boxes, F rows each,
+    # then W^T
+    seq: gl.constexpr = (NCH, NA, KA, NO, KO, 3, F)
+    prod: gl.constexpr = (X3, FMA, BK, STG)
+    w = (wt_desc, wot_desc, wtl_desc, wotl_desc)
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
     if RECOMP:  # z of a tile in the program's own rows, 32 edges
-        z_ptr = z_ptr + pid * (K * 6 * 32 * F)
+        z_ptr = z_ptr + pid * (K * 6 * TILE_K * F)
     for cp in gl.static_range(STG - 1):
-        _load_w(cp, NCH, NA, KA, NO, KO, 3, 192, wt_desc, wot_desc, wtl_desc,
-                wotl_desc, ring, ready, cp, STG, BK, X3)  # fmt: skip
+        _load_w(cp, seq, w, rr, cp, STG, BK, X3)
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     gl.thread_barrier()
     for it in range(n_mine):
-        e0 = (pid + it * nprog) * 32
+        e0 = (pid + it * nprog) * TILE_K
         more = it + 1 < n_mine
         g0 = it * NCH
         if RECOMP:  # 0. the gated layers again, from x: z of the tile
@@ -203,10 +210,9 @@ def _fused_bwd_kernel(
             _load_x(u_s, x_ptr, si_m, si_c, e0, E, SIN0, F, ld_l)
             gl.thread_barrier()
             for k in gl.static_range(K):
-                _gated_layer(k, u_s, g0, zero, ring, ready, wt_desc, wot_desc,
-                             wtl_desc, wotl_desc, more, b_ptr, z_ptr, sz, ze0, e0, E,
-                             HAS_B, True, ZEV, NCH, NA, KA, NO, KO, 3, 192, X3, FMA, BK,
-                             STG, acc_l, a_l, b_l)  # fmt: skip
+                _gated_layer(k, u_s, g0, zero, rr, w, more, b_ptr, (z_ptr, sz, ze0),
+                             e0, E, HAS_B, True, ZEV, seq, prod, acc_l, a_l,
+                             b_l)  # fmt: skip
         else:
             ze0 = 0
         # 1. du_K = W_out^T dy, an order at a time
@@ -214,16 +220,14 @@ def _fused_bwd_kernel(
             a0, a1, a2 = zero, zero, zero
             hi = gl.zeros([64, BK], wt_desc.dtype, layout=a_l)
             lo = hi
-            for kc in range(3):  # 32 outputs of dy, KH K steps
+            for kc in range(3):  # a third of dy's outputs, KH K steps
                 c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, FMA)
                 for kh in gl.static_range(KH):
                     c = NA + m * KO + KH * kc + kh
                     a = _dy(a_s, dy_ptr, sd_m, sd_c, m, BK * (KH * kc + kh), e0, E,
                             SIN0, FO, BK, a_l, t_l, FMA)  # fmt: skip
-                    c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, ring,
-                                                ready, more, wt_desc, wot_desc,
-                                                wtl_desc, wotl_desc, 3, NCH, NA, KA,
-                                                NO, KO, 3, 192, X3, FMA, BK, STG, a_l,
+                    c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, rr,
+                                                more, w, 3, seq, X3, FMA, BK, STG, a_l,
                                                 b_l)  # fmt: skip
                 a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
             a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
@@ -259,11 +263,8 @@ def _fused_bwd_kernel(
                         a = _dz(u_s, a_s, q0, q1, q2, q3, q4, m, jb, kh, BK, a_l, t_l,
                                 FMA)  # fmt: skip
                         c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2,
-                                                    ring, ready, more, wt_desc,
-                                                    wot_desc, wtl_desc, wotl_desc, 3,
-                                                    NCH, NA, KA, NO, KO, 3, 192, X3,
-                                                    FMA, BK, STG, a_l,
-                                                    b_l)  # fmt: skip
+                                                    rr, more, w, 3, seq, X3, FMA, BK,
+                                                    STG, a_l, b_l)  # fmt: skip
                     a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, 3, X3, FMA)
                 a0, a1, a2 = _retire(a0, a1, a2, hi, lo, 3, X3, 0, FMA)
                 gl.thread_barrier()  # every K step read du of this order

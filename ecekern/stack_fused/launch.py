@@ -1,12 +1,16 @@
 """The fused stack's launchers over one cohort's planes: the forward kernel
 (:mod:`.forward`) and the backward kernel (:mod:`.backward`) on a persistent grid,
-a program per SM, each taking tiles of 32 edges in turn; and the checks of the
-planes and z they index.
+a program per SM (at most one per tile), each taking tiles of 32 edges in turn; and
+the checks of the planes and z they index.
+
+Formula, bytes and FLOPs: :mod:`ecekern.stack_fused`'s (these launch its kernels;
+the gradients are the backward kernel's dx, no parameter gradients).
 
 Shapes: planes ``(3, 2, n, width)`` (order, cos/sin, edge, feature), rows
 contiguous, a plane's sin part and rows within 2**31 values (the order's offset is
 int64, the rest int32: ``_check_planes``); ``z (K, 3, 2, n, F)`` a cohort's rows of
-a contiguous z, or without one each program's slab of 32 edges (``_slab``).
+a contiguous z, or without one each program's slab of 32 edges (``_slab``: ``6 K 32
+F`` values a program, reused tile after tile, in L2).
 
 Status: called by :mod:`ecekern.stack_fused`'s cohort launchers, which check the
 call first (:func:`ecekern.stack_fused.why_not`).

@@ -251,17 +251,20 @@ def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
 
 
 @_jit
-def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-            wa, wb, wa_lo, wb_lo, ring, ready, g, STG: gl.constexpr,
-            BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
-    """Chunk c of a tile's NCH into ring stage ``s = g % STG`` as ``[64, BK]``
-    boxes (64 outputs, BK inputs): the first NA chunks from ``wa`` (three boxes
-    each, ``KA`` K steps a matrix of 192 rows), then NBC of ``wb`` (``NB`` boxes,
-    ``KB`` K steps, a matrix every ``RB`` rows), then ``wa``'s from chunk NA on.
-    A matrix is a ``[layer, order]`` block of rows of the descriptor's 2-d view;
-    rows past the view arrive as zeros. In 3xTF32 the remainders (``wa_lo``,
-    ``wb_lo``) follow the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+def _load_w(c, SEQ: gl.constexpr, W, R, g, STG: gl.constexpr, BK: gl.constexpr,
+            X3: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` of
+    ``R = (ring, ready)`` as ``[64, BK]`` boxes (64 outputs, BK inputs). The
+    sequence, ``SEQ = (NCH, NA, KA, NBC, KB, NB, RB)``: NCH chunks, the first NA
+    from ``wa`` (three boxes each, ``KA`` K steps a matrix of F rows), then NBC of
+    ``wb`` (``NB`` boxes, ``KB`` K steps, a matrix every ``RB`` rows), then
+    ``wa``'s from chunk NA on; ``W = (wa, wb, wa_lo, wb_lo)``. A matrix is a
+    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
+    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
+    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+    NCH, NA, KA, NBC, KB, NB, RB = SEQ
+    wa, wb, wa_lo, wb_lo = W
+    ring, ready = R
     s = g % STG
     if X3:
         b = 6 * s
@@ -270,7 +273,7 @@ def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
     bar = ready.index(s)
     if NA + NBC == NCH:  # wa's, then wb's (the forward)
         if c < NA:
-            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (c // KA) * F_K, (c % KA) * BK, 3, ring, b, bar, X3)
         else:
             _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
                    bar, X3)  # fmt: skip
@@ -279,32 +282,29 @@ def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
             _boxes(wb, wb_lo, c // KB * RB, c % KB * BK, NB, ring, b, bar, X3)
         else:
             ca = c - NBC
-            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (ca // KA) * F_K, (ca % KA) * BK, 3, ring, b, bar, X3)
     else:  # wa's, wb's, wa's (the backward that recomputes the forward)
         if c < NA:
-            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (c // KA) * F_K, (c % KA) * BK, 3, ring, b, bar, X3)
         elif c < NA + NBC:
             _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
                    bar, X3)  # fmt: skip
         else:
             ca = c - NBC
-            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (ca // KA) * F_K, (ca % KA) * BK, 3, ring, b, bar, X3)
 
 
 @_jit
-def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-            wa, wb, wa_lo, wb_lo, ring, ready, g, more, STG: gl.constexpr,
+def _next_w(c, SEQ: gl.constexpr, W, R, g, more, STG: gl.constexpr,
             BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
     """After chunk c (global count g) retired its predecessor: chunk
     ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
-    its end, the next tile's (if ``more``)."""
+    its end, the next tile's (if ``more``); the sequence as :func:`_load_w`."""
+    NCH: gl.constexpr = SEQ[0]
     if c + STG - 1 < NCH:
-        _load_w(c + STG - 1, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo,
-                ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1, SEQ, W, R, g + STG - 1, STG, BK, X3)
     elif more:
-        _load_w(c + STG - 1 - NCH, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo,
-                wb_lo, ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1 - NCH, SEQ, W, R, g + STG - 1, STG, BK, X3)
 
 
 @_jit
@@ -321,22 +321,20 @@ def _ring(desc, X3: gl.constexpr, STG: gl.constexpr, BK: gl.constexpr):
 
 
 @_jit
-def _kstep(a, hi, lo, c, g, c0, c1, c2, ring, ready, more, wa, wb, wa_lo, wb_lo,
-           NBOX: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-           NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-           X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
-           a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
-    """K step c of a tile's weight sequence (count g), A operand ``a``: wait for
-    its boxes, issue the products with NBOX of them (:func:`_step`), retire the step
-    before (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the
-    stage that frees (:func:`_next_w`). The accumulators and this step's
-    operands."""
+def _kstep(a, hi, lo, c, g, c0, c1, c2, R, more, W, NBOX: gl.constexpr,
+           SEQ: gl.constexpr, X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr,
+           STG: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """K step c of a tile's weight sequence (``SEQ``, ``W`` as :func:`_load_w` has
+    them; count g), A operand ``a``: wait for its boxes in ``R = (ring, ready)``,
+    issue the products with NBOX of them (:func:`_step`), retire the step before
+    (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the stage
+    that frees (:func:`_next_w`). The accumulators and this step's operands."""
+    ring, ready = R
     mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
     c0, c1, c2, n_hi, n_lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA, BK,
                                    a_l, b_l)  # fmt: skip
     c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NBOX, X3, 1, FMA)
-    _next_w(c, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready, g, more,
-            STG, BK, X3)  # fmt: skip
+    _next_w(c, SEQ, W, R, g, more, STG, BK, X3)
     return c0, c1, c2, n_hi, n_lo
 
 
