@@ -847,7 +847,7 @@ import sys
 from ecekern._triton import gluon
 if gluon is None:
     sys.exit(77)
-from ecekern.stack_fused import backward, forward, ring
+from ecekern.stack_fused import backward_kernel, forward_kernel, ring
 assert tuple(ring.BK) == ("ieee", "tf32", "tf32x3", "bf16")  # the kernels' names
 for prec in ring.BK:
     bk = ring.BK[prec]
@@ -855,19 +855,21 @@ for prec in ring.BK:
     box = gl.NVMMASharedLayout.get_default_for([64, bk], dt)
     desc = f"tensordesc<{name}[64, {bk}],{box!r}>"
     for kernel, c in (
-            (forward._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True, SLAB=False)),
-            (forward._fused_fwd_kernel, dict(K=2, HAS_B=False, HAS_BO=True, SLAB=True)),
-            (backward._fused_bwd_kernel, dict(K=2, RECOMP=False, HAS_B=False)),
-            (backward._fused_bwd_kernel, dict(K=2, RECOMP=True, HAS_B=True))):
+            (forward_kernel._fused_fwd_kernel,
+             dict(K=2, HAS_B=True, HAS_BO=True, SLAB=False)),
+            (forward_kernel._fused_fwd_kernel,
+             dict(K=2, HAS_B=False, HAS_BO=True, SLAB=True)),
+            (backward_kernel._fused_bwd_kernel, dict(K=2, RECOMP=False, HAS_B=False)),
+            (backward_kernel._fused_bwd_kernel, dict(K=2, RECOMP=True, HAS_B=True))):
         c |= dict(SIN0=True, X3=prec == "tf32x3", FMA=prec == "ieee", BK=bk,
-                  STG=ring.STAGES, num_warps=forward.WARPS)
+                  STG=ring.STAGES, num_warps=forward_kernel.WARPS)
         names = kernel.arg_names
         sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
                else "*fp32" if n.endswith("ptr") else "i32" for n in names}
         src = GluonASTSource(fn=kernel, signature=sig,
                              constexprs={(names.index(k),): v for k, v in c.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=forward.WARPS))
+                           options=dict(num_warps=forward_kernel.WARPS))
         ptx = k.asm["ptx"]
         n = ptx.count("wgmma.mma_async")
         want = {"ieee": 0, "tf32": 50, "tf32x3": 150, "bf16": 25}[prec]

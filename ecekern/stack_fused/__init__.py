@@ -12,8 +12,8 @@ alike)::
 
 A program owns a tile of 32 edges at a time, its state in shared memory through
 every layer, the weights streamed from L2 through a ring (:mod:`.ring`); the
-forward kernel (:mod:`.forward`) keeps z or, without one, writes only y; the
-backward kernel (:mod:`.backward`) runs from the kept z or makes each tile's z
+forward kernel (:mod:`.forward_kernel`) keeps z or, without one, writes only y; the
+backward kernel (:mod:`.backward_kernel`) runs from the kept z or makes each tile's z
 again from x on chip (:func:`stack_recompute_backward`). :mod:`.launch` launches
 them on a cohort's planes; the functions here run the cohorts.
 

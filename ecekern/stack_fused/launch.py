@@ -1,7 +1,7 @@
 """The fused stack's launchers over one cohort's planes: the forward kernel
-(:mod:`.forward`) and the backward kernel (:mod:`.backward`) on a persistent grid,
-a program per SM (at most one per tile), each taking tiles of 32 edges in turn; and
-the checks of the planes and z they index.
+(:mod:`.forward_kernel`) and the backward kernel (:mod:`.backward_kernel`) on a
+persistent grid, a program per SM (at most one per tile), each taking tiles of 32 edges
+in turn; and the checks of the planes and z they index.
 
 Formula, bytes and FLOPs: :mod:`ecekern.stack_fused`'s (these launch its kernels;
 the gradients are the backward kernel's dx, no parameter gradients).
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from .._triton import triton
-from .backward import _fused_bwd_kernel
-from .forward import WARPS, _fused_fwd_kernel
+from .backward_kernel import _fused_bwd_kernel
+from .forward_kernel import WARPS, _fused_fwd_kernel
 from .ring import BK, F_IN, F_OUT, N_ANG, STAGES, TILE
 
 __all__ = ["backward", "forward"]

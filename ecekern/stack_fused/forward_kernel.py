@@ -1,5 +1,5 @@
 """The fused stack's forward kernel, and the gated layers that the recomputing
-backward (:mod:`.backward`) runs again: one kernel per tile of edges,
+backward (:mod:`.backward_kernel`) runs again: one kernel per tile of edges,
 the tile on chip, on the tensor cores (Gluon, Hopper ``wgmma``) or, in strict fp32,
 on the FMA units.
 

@@ -7,18 +7,17 @@ Formula (per edge e, order m, cos and sin alike)::
     du_K = W_out[m]^T dy;  dz_k = gate'(z_k) du_k;  du_(k-1) = du_k + W_k[m]^T dz_k
     dx = du_0
 
-A program holds du as the forward holds u (:mod:`.forward`): ``W_out^T dy`` first,
-then for each gated layer the orders, m = 0 first (its ``dz`` needs ``t =
-sum_(m>=1) du_m z_m`` of rows not yet overwritten); ``dz`` is made BK inputs at a
-time from du, the kept z and p (loaded a K step ahead), cos and sin rows of an edge
-side by side, and handed to the products through a ``[64, BK]`` buffer. The
-accumulators start at du: the residual. In 3xTF32 and strict fp32 each chunk of
-inputs (64; 32 of dy in the first stage) is summed from zero and added to them in
-fp32, so that the roundings of a long sum are relative to the chunk's sum, not to
-du's. ``RECOMP`` (from x instead of a kept z) first runs each tile's gated layers
-again, as the forward does, into its program's slab of z, then the tile's backward
-from there: it writes only dx. The weights' sequence then has three parts: W,
-W_out^T, W^T.
+A program holds du as the forward holds u (:mod:`.forward_kernel`): ``W_out^T dy``
+first, then for each gated layer the orders, m = 0 first (its ``dz`` needs ``t =
+sum_(m>=1) du_m z_m`` of rows not yet overwritten); ``dz`` is made BK inputs at a time
+from du, the kept z and p (loaded a K step ahead), cos and sin rows of an edge side by
+side, and handed to the products through a ``[64, BK]`` buffer. The accumulators start
+at du: the residual. In 3xTF32 and strict fp32 each chunk of inputs (64; 32 of dy in the
+first stage) is summed from zero and added to them in fp32, so that the roundings of a
+long sum are relative to the chunk's sum, not to du's. ``RECOMP`` (from x instead of a
+kept z) first runs each tile's gated layers again, as the forward does, into its
+program's slab of z, then the tile's backward from there: it writes only dx. The
+weights' sequence then has three parts: W, W_out^T, W^T.
 
 Shapes, bytes and FLOPs: :mod:`ecekern.stack_fused`.
 
@@ -29,7 +28,7 @@ F' = 96, sm_90); compiled for sm_90 without a GPU in the tests.
 from __future__ import annotations
 
 from .._triton import gl
-from .forward import BOX, BOX16, _gated_layer, _load_x, _rows, _sigmoid
+from .forward_kernel import BOX, BOX16, _gated_layer, _load_x, _rows, _sigmoid
 from .ring import (
     F_K,
     FO_K,
