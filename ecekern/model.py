@@ -21,7 +21,7 @@ from . import checkpoint, cohorts, edge_frame, reference, so3, zonal
 from .config import ECEConfig
 from .graph import Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
-from .plan import StepPlan, kernel_precision
+from .plan import StepPlan, stack_precision
 from .plan import plan_for as _plan_for
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
@@ -57,7 +57,7 @@ def _cohort_stack(layer: _Interaction, plan, x_cos, x_sin, x_rebuild=None):
         [lin.bias for lin in layer.gated], layer.out.weight, layer.out.bias,
         linear=linear, cohort_edges=plan.cohort_edges,
         recompute=plan.memory == "recompute", kernels=kernels,
-        precision=kernel_precision(plan.precision), sin0_zero=kernels is not None,
+        precision=stack_precision(plan.precision), sin0_zero=kernels is not None,
         x_rebuild=x_rebuild,
     )  # fmt: skip
 

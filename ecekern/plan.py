@@ -169,7 +169,7 @@ def _native(device_type: str, dtype: torch.dtype, tf32: bool) -> str:
     return "tf32" if device_type == "cuda" and tf32 else "fp32"
 
 
-def kernel_precision(precision: str) -> str:
+def stack_precision(precision: str) -> str:
     """The kernels' name for a precision (float64 rows run the strict path)."""
     return "fp32" if precision == "fp64" else precision
 
@@ -242,7 +242,7 @@ def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepP
             "3xtf32" if dtype == torch.float32 else "fp64"
         )  # fmt: skip
         if stack == "fused":
-            why = cohorts.why_not("fused", kernel_precision(prec), device_type,
+            why = cohorts.why_not("fused", stack_precision(prec), device_type,
                                   capability, dtype, shapes.F, shapes.F_out,
                                   shapes.n_ang)  # fmt: skip
             if why:
@@ -250,7 +250,7 @@ def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepP
                              f"the layer kernels in {prec}"))  # fmt: skip
                 stack = "layers"
         if stack == "layers":
-            why = cohorts.why_not("layers", kernel_precision(prec), device_type,
+            why = cohorts.why_not("layers", stack_precision(prec), device_type,
                                   capability, dtype, shapes.F, shapes.F_out,
                                   shapes.n_ang)  # fmt: skip
             if why:

@@ -14,15 +14,16 @@ import pytest
 import torch
 
 import ecekern
-from ecekern import cohorts, options, reference
+from ecekern import cohorts, options, reference, stack_fused, stack_layers
+from ecekern._planes import as_planes, planes_pair
+from ecekern._stack_common import PRECISIONS, split_tf32
 from ecekern._triton import AVAILABLE as TRITON_AVAILABLE
-from ecekern.cohorts import layers as layers_mod
+from ecekern._triton import INTERPRET
 from ecekern.model import force_step, prepare_inputs
 from ecekern.testing import assert_close_three_way, rel_err
 
 needs_triton = pytest.mark.skipif(
-    layers_mod.why_not_layers(torch.empty(1, 32, 1), torch.empty(1, 16, 32), "ieee")
-    is not None,
+    not TRITON_AVAILABLE or not (INTERPRET or torch.cuda.is_available()),
     reason="Triton (or its interpreter) is not available",
 )
 
@@ -224,7 +225,7 @@ def test_double_backward_through_the_layer_kernels_falls_back_differentiably():
 
     def f(xc):
         return cohorts.mixing_stack(
-            xc, xs, weights, biases, w_out, b_out, cohort_edges=1, fused="ieee",
+            xc, xs, weights, biases, w_out, b_out, cohort_edges=1, kernels="layers",
             sin0_zero=True,
         )  # fmt: skip
 
@@ -262,12 +263,12 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize(
-    "fused",
-    [None, pytest.param("ieee", marks=needs_triton)],
+    "kernels",
+    [None, pytest.param("layers", marks=needs_triton)],
     ids=["linears", "kernels"],
 )
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_without_autograd_nothing_is_kept(monkeypatch, mode, fused):
+def test_without_autograd_nothing_is_kept(monkeypatch, mode, kernels):
     """Under no_grad or inference_mode (weights that require grad included) the
     stack is the plain forward, equal to the reference: the autograd function that
     keeps tensors for a backward is not entered."""
@@ -275,7 +276,7 @@ def test_without_autograd_nothing_is_kept(monkeypatch, mode, fused):
     entered = _spy(monkeypatch, cohorts._CohortStack, "apply")
     with mode():
         y = cohorts.mixing_stack(*x, weights, biases, w_out, b_out, cohort_edges=4,
-                                 fused=fused)  # fmt: skip
+                                 kernels=kernels)  # fmt: skip
         ref = reference.mixing_stack(*x, weights, biases, w_out, b_out)
     assert not entered
     assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
@@ -315,18 +316,23 @@ def test_compile_with_sizes_that_vary(sizes, sin0):
 @pytest.mark.parametrize(
     "channels, opts",
     [
-        (4, {"cohort_edges": 50}),
-        (4, {"cohort_edges": 50, "cohort_recompute": True}),
+        (4, {"memory": "keep", "cohort_edges": 50}),
+        (4, {"memory": "recompute", "cohort_edges": 50}),
         pytest.param(
             16,
-            {"cohort_fused": "ieee", "cohort_edges": 50, "edge_frame": "packed"},
+            {
+                "stack": "layers",
+                "memory": "keep",
+                "cohort_edges": 50,
+                "edge_frame": "packed",
+            },
             marks=needs_triton,
         ),
         pytest.param(
             16,
             {
-                "cohort_fused": "ieee",
-                "cohort_recompute": True,
+                "stack": "layers",
+                "memory": "recompute",
                 "cohort_edges": 50,
                 "edge_frame": "packed",
             },
@@ -349,16 +355,22 @@ def test_model_with_cohorts_equals_without(monkeypatch, request, channels, opts)
     inputs = prepare_inputs(
         ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
     )
-    with options.use(cohorts=False):  # whatever the environment says
+    with options.use(memory="plain"):  # whatever the environment says
+        assert model.plan().stack == "linears"
         e_ref, f_ref = force_step(model, *inputs)
     paths = {  # the backward each variant must take (the others: never)
         "_input_backward": (cohorts, "keep_z"),
         "_cohort_backward": (cohorts, "recompute"),
-        "stack_backward": (layers_mod, "fused"),
-        "stack_recompute_backward": (layers_mod, "fused-recompute"),
+        "stack_backward": (stack_layers, "fused"),
+        "stack_recompute_backward": (stack_layers, "fused-recompute"),
     }
     calls = {n: _spy(monkeypatch, mod, n) for n, (mod, _) in paths.items()}
-    with options.use(cohorts=True, **opts):
+    with options.use(**opts):
+        plan = model.plan()
+        assert (plan.memory, plan.stack) == (
+            opts["memory"],
+            opts.get("stack", "linears"),
+        )
         e, f = force_step(model, *inputs)
     assert rel_err(e, e_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
     variant = request.node.callspec.id
@@ -369,9 +381,9 @@ def test_model_with_cohorts_equals_without(monkeypatch, request, channels, opts)
 @pytest.mark.parametrize(
     "edge_frame, fused",
     [
-        ("reference", "off"),
-        pytest.param("packed", "off", marks=needs_triton),
-        pytest.param("packed", "ieee", marks=needs_triton),
+        ("reference", "linears"),
+        pytest.param("packed", "linears", marks=needs_triton),
+        pytest.param("packed", "layers", marks=needs_triton),
     ],
     ids=["reference", "packed", "packed-kernels"],
 )
@@ -390,7 +402,8 @@ def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
 
     from ecekern import model as model_mod
 
-    cfg = ecekern.ECEConfig(channels=16 if fused != "off" else 4, lmax=1, cutoff=2.0,
+    cfg = ecekern.ECEConfig(channels=16 if fused != "linears" else 4, lmax=1,
+                            cutoff=2.0,
                             radial_hidden=8, readout_hidden=8, n_gated=2)  # fmt: skip
     model = ecekern.ECEModel(cfg).double()
     inputs = prepare_inputs(
@@ -399,12 +412,12 @@ def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
     seen, rebuilt, recipes = [], [], []
     real_stack, real_rebuild = model_mod._cohort_stack, model_mod.ECEModel._rebuild
 
-    def stack_spy(layer, x_cos, x_sin, x_rebuild=None):
+    def stack_spy(layer, plan, x_cos, x_sin, x_rebuild=None):
         # the allocations (a planes pair's views share one base, which any view
         # that the stack keeps would hold)
         seen.append(tuple(weakref.ref(t if t._base is None else t._base)
                           for t in (x_cos, x_sin)))  # fmt: skip
-        return real_stack(layer, x_cos, x_sin, x_rebuild)
+        return real_stack(layer, plan, x_cos, x_sin, x_rebuild)
 
     def rebuild_spy(*args):
         make = real_rebuild(*args)
@@ -425,8 +438,8 @@ def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
     def run(**opts):
         seen.clear()
         rebuilt.clear()
-        if opts["cohorts"]:
-            opts |= dict(cohort_edges=64, cohort_fused=fused)
+        if opts["memory"] != "plain":
+            opts |= dict(cohort_edges=64, stack=fused)
         with options.use(edge_frame=edge_frame, **opts):
             x = inputs[0].clone().requires_grad_()
             energy = model(x, *inputs[1:])
@@ -443,10 +456,11 @@ def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
         grads = [g for g in (*g1, *g2) if g is not None]
         return alive, n_force, n_train, (energy.detach(), -grad, grads)
 
-    _, _, _, ref = run(cohorts=False)
+    _, _, _, ref = run(memory="plain")
     n = cfg.n_interactions
     for recompute in (False, True):
-        alive, n_force, n_train, got = run(cohorts=True, cohort_recompute=recompute)
+        memory = "recompute" if recompute else "keep"
+        alive, n_force, n_train, got = run(memory=memory)
         assert alive == [False] * (2 * n)  # (no zeroed copy kept either)
         assert n_force == (n if recompute else 0)
         assert n_train == n
@@ -458,8 +472,8 @@ def test_model_keeps_no_stack_input_and_rebuilds_it_only_where_read(
     gc.collect()
     gc.disable()
     try:
-        with options.use(cohorts=True, cohort_recompute=True, edge_frame=edge_frame,
-                         cohort_edges=64, cohort_fused=fused):  # fmt: skip
+        with options.use(memory="recompute", edge_frame=edge_frame,
+                         cohort_edges=64, stack=fused):  # fmt: skip
             force_step(model, *inputs)
         assert len(recipes) == n
         assert all(r() is None for r in recipes)
@@ -496,25 +510,6 @@ def test_x_rebuild_is_checked():
         assert rel_err(a, b) < 1e-12
 
 
-def test_option_from_the_environment(monkeypatch):
-    monkeypatch.setenv("ECEKERN_COHORTS", "1")
-    assert options._from_environment(options.Options()).cohorts is True
-    monkeypatch.setenv("ECEKERN_COHORTS", "maybe")
-    with pytest.raises(ValueError, match="ECEKERN_COHORTS"):
-        options._from_environment(options.Options())
-    with pytest.raises(TypeError, match="cohorts"):
-        options.Options(cohorts="yes")
-    with options.use(cohorts=True, reference=True):
-        assert not options.cohorts_on()  # the reference wins
-    for auto in ("auto", "", " AUTO "):  # an empty value is the default, not off
-        monkeypatch.setenv("ECEKERN_COHORTS", auto)
-        assert options._from_environment(options.Options()).cohorts is None
-    env = {"ECEKERN_COHORT_EDGE": "5", "ECEKERN_COMMIT": "x", "ECEKERN_LINEAR": "dense"}
-    assert options._unknown_variables(env) == ["ECEKERN_COHORT_EDGE"]  # misspelt
-    with options.use(cohorts=None):  # auto: on for CUDA tensors only
-        assert options.cohorts_on("cuda") and not options.cohorts_on("cpu")
-
-
 def test_cohort_options_without_cohorts_warn_once():
     """On the CPU cohorts are off unless asked for: cohort options set alone would
     change nothing, and the model says so, once; the numbers are the reference's."""
@@ -523,18 +518,19 @@ def test_cohort_options_without_cohorts_warn_once():
     inputs = prepare_inputs(
         ecekern.systems.diamond(1, rattle=0.1, seed=3), cfg.cutoff, torch.float64, "cpu"
     )
-    with options.use(cohorts=False):
+    with options.use(memory="plain"):
         e_ref, _ = force_step(model, *inputs)
     options.reset_fallback_warnings()
-    with options.use(cohorts=None, cohort_fused="ieee", cohort_edges=7):
-        with pytest.warns(UserWarning, match=r"cohort_edges=7, cohort_fused='ieee'"):
+    with options.use(cohort_edges=7):  # memory "auto": plain on the CPU
+        assert not model.plan().cohorts
+        with pytest.warns(UserWarning, match=r"cohort_edges=7 ignored"):
             e, _ = force_step(model, *inputs)
         assert float(e) == float(e_ref)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: the second step says nothing
             force_step(model, *inputs)
-    with options.use(cohort_fused="off"), warnings.catch_warnings():
-        warnings.simplefilter("error")  # "off" is not a cohort option left unused
+    with options.use(stack="linears"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the linears are what runs: nothing inert
         force_step(model, *inputs)
 
 
@@ -550,49 +546,50 @@ def test_gpu_model_with_cohorts_three_way():
     truth = force_step(model, *prepare_inputs(atoms, 5.0, torch.float64, "cuda"))
     model = model.float()
     inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
-    with options.use(cohorts=False):
+    with options.use(memory="plain", stack="linears"):
         plain = force_step(model, *inputs)
     for recompute in (False, True):
-        with options.use(cohorts=True, cohort_edges=1000, cohort_recompute=recompute):
+        memory = "recompute" if recompute else "keep"
+        with options.use(memory=memory, cohort_edges=1000):
             got = force_step(model, *inputs)
         for a, b, t in zip(got, plain, truth, strict=True):
             assert_close_three_way(a, b, t, f"cohorts on CUDA, recompute={recompute}")
 
 
 def test_cohort_edges_option(monkeypatch):
-    """The option's default is the function's; the environment sets it as an int;
-    a bad value is an error naming the variable; the model passes it through."""
-    assert options.Options().cohort_edges == cohorts.COHORT_EDGES
+    """The option's "auto" is the function's default; the environment sets it as an
+    int; a bad value is an error naming the variable; the model passes it through."""
+    cfg = ecekern.ECEConfig(channels=2, n_gated=1, radial_hidden=4, readout_hidden=4)
+    model = ecekern.ECEModel(cfg).double()
+    with options.use(memory="keep"):
+        assert model.plan().cohort_edges == cohorts.COHORT_EDGES
     monkeypatch.setenv("ECEKERN_COHORT_EDGES", "4096")
-    assert options._from_environment(options.Options()).cohort_edges == 4096
+    with options.use(memory="keep"):
+        assert model.plan().cohort_edges == 4096
     for bad in ("many", "0", "-3"):
         monkeypatch.setenv("ECEKERN_COHORT_EDGES", bad)
         with pytest.raises(ValueError, match="ECEKERN_COHORT_EDGES"):
-            options._from_environment(options.Options())
+            model.plan()
+    monkeypatch.delenv("ECEKERN_COHORT_EDGES")
     for bad in (True, 2.0, "8"):  # an int or any integer type, nothing else
-        with pytest.raises(TypeError, match="cohort_edges"):
+        with pytest.raises((TypeError, ValueError), match="cohort_edges"):
             options.Options(cohort_edges=bad)
     assert type(options.Options(cohort_edges=np.int64(7)).cohort_edges) is int
-    with pytest.raises(ValueError, match="cohort_fused"):
-        options.Options(cohort_fused="fp8")
-    assert options.Options(cohort_fused="ieee", cohort_recompute=True)  # kernels too
     seen = []
     real = cohorts.mixing_stack
 
     def spy(*args, **kw):
-        seen.append(args[7])  # cohort_edges
+        seen.append(kw["cohort_edges"])
         return real(*args, **kw)
 
     monkeypatch.setattr(cohorts, "mixing_stack", spy)
-    cfg = ecekern.ECEConfig(channels=2, n_gated=1, radial_hidden=4, readout_hidden=4)
-    model = ecekern.ECEModel(cfg).double()
     atoms = ecekern.systems.diamond(1, rattle=0.05, seed=1)
-    with options.use(cohorts=True, cohort_edges=7):
+    with options.use(memory="keep", cohort_edges=7):
         ecekern.energy_and_forces(model, atoms)
     assert seen and set(seen) == {7}
 
 
-# the layer kernels (ecekern.cohorts.layers), in Triton's interpreter on the CPU
+# the layer kernels (ecekern.stack_layers), in Triton's interpreter on the CPU
 def _fused_args(E, K, n_ang, bias, dtype=torch.float64, F=32, Fo=16, seed=0):
     g = torch.Generator().manual_seed(seed)
 
@@ -641,7 +638,7 @@ def test_layers_fp64_match_reference(E, K, n_ang, bias, cohort, recompute, sin0)
     kernel that read it, or a dx_sin[..., 0] that is not zero, fails."""
     x, *args = _fused_args(E, K, n_ang, bias)
     got = _fwd_and_force_bwd(
-        lambda *a: cohorts.mixing_stack(*a, fused="ieee", cohort_edges=cohort,
+        lambda *a: cohorts.mixing_stack(*a, kernels="layers", cohort_edges=cohort,
                                         recompute=recompute, sin0_zero=sin0),
         x, *args,
     )  # fmt: skip
@@ -662,14 +659,14 @@ def _reference_sin0(x_cos, x_sin, *args):
 
 
 @needs_triton
-@pytest.mark.parametrize("fused", [None, "ieee"], ids=["linears", "kernels"])
-def test_sin0_zero_parameter_and_second_derivatives(fused):
+@pytest.mark.parametrize("kernels", [None, "layers"], ids=["linears", "kernels"])
+def test_sin0_zero_parameter_and_second_derivatives(kernels):
     """``sin0_zero`` on every path that does not go through the force-step kernels:
     parameter gradients (recomputed cohorts), the linears' own path, and a second
     derivative, equal to the reference on the zeroed column in float64."""
     x, ws, bs, wo, bo = _stack_args(40, F=32, Fo=16, n_ang=3, K=2)
     params = [*x, *ws, *bs, wo, bo]
-    fn = functools.partial(cohorts.mixing_stack, fused=fused, cohort_edges=16,
+    fn = functools.partial(cohorts.mixing_stack, kernels=kernels, cohort_edges=16,
                            sin0_zero=True)  # fmt: skip
 
     def grads(f, create_graph=False):
@@ -696,7 +693,7 @@ def test_layers_strided_inputs():
     wide = torch.randn(37, 32, 5, dtype=torch.float64)
     xc = wide[..., 1:4].requires_grad_()  # strides (160, 5, 1)
     xs = x[1].detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
-    got = _fwd_and_force_bwd(lambda *a: cohorts.mixing_stack(*a, fused="ieee"),
+    got = _fwd_and_force_bwd(lambda *a: cohorts.mixing_stack(*a, kernels="layers"),
                              [xc, xs], *args)  # fmt: skip
     ref = _fwd_and_force_bwd(reference.mixing_stack, [xc, xs], *args)
     for a, b in zip(got, ref, strict=True):
@@ -706,7 +703,7 @@ def test_layers_strided_inputs():
 def _as_planes_pair(t_cos, t_sin):
     """Copies of rows ``(E, W, n_ang)`` as the cos and sin views of one ``(n_ang,
     2, E, W)`` tensor (chapter 3's ``planes=True`` layout)."""
-    P, a, b = layers_mod._planes_pair(t_cos, *t_cos.shape)
+    P, a, b = planes_pair(t_cos, *t_cos.shape)
     a.copy_(t_cos.detach()), b.copy_(t_sin.detach())
     return a, b
 
@@ -721,30 +718,30 @@ def test_layers_planes_pairs_in_place(recompute, sin0):
     the m = 0 sin planes zero with ``sin0_zero``; 37 rows in cohorts of 16. A
     planes x with a contiguous output gradient gives contiguous dx."""
     x, *args = _fused_args(37, 2, 3, True)
-    fn = functools.partial(cohorts.mixing_stack, fused="ieee", cohort_edges=16,
+    fn = functools.partial(cohorts.mixing_stack, kernels="layers", cohort_edges=16,
                            recompute=recompute, sin0_zero=sin0)  # fmt: skip
     xp = [t.requires_grad_() for t in _as_planes_pair(*x)]
     y_rows, y_planes = fn(*x, *args), fn(*xp, *args)
-    assert layers_mod._as_planes(*y_planes) is not None
-    assert layers_mod._as_planes(*y_rows) is None
+    assert as_planes(*y_planes) is not None
+    assert as_planes(*y_rows) is None
     g = [torch.randn_like(t) for t in y_rows]
     gp = _as_planes_pair(*g)
     d_rows = torch.autograd.grad(y_rows, x, g)
     d_planes = torch.autograd.grad(y_planes, xp, gp, retain_graph=True)
-    assert layers_mod._as_planes(*d_planes) is not None
+    assert as_planes(*d_planes) is not None
     for a, b in zip([*y_planes, *d_planes], [*y_rows, *d_rows], strict=True):
         assert torch.equal(a, b)
     if sin0:
         assert not y_planes[1][..., 0].any() and not d_planes[1][..., 0].any()
     d_mixed = torch.autograd.grad(y_planes, xp, g)
-    assert layers_mod._as_planes(*d_mixed) is None
+    assert as_planes(*d_mixed) is None
     for a, b in zip(d_mixed, d_rows, strict=True):
         assert torch.equal(a, b)
     wide = torch.zeros(3, 3, 37, 32, dtype=torch.float64)  # planes with a gap
-    assert layers_mod._as_planes(wide[:, 0].permute(1, 2, 0),
-                                 wide[:, 2].permute(1, 2, 0)) is not None  # fmt: skip
-    assert layers_mod._as_planes(wide[:, 2].permute(1, 2, 0),
-                                 wide[:, 0].permute(1, 2, 0)) is None  # fmt: skip
+    assert as_planes(wide[:, 0].permute(1, 2, 0),
+                     wide[:, 2].permute(1, 2, 0)) is not None  # fmt: skip
+    assert as_planes(wide[:, 2].permute(1, 2, 0),
+                     wide[:, 0].permute(1, 2, 0)) is None  # fmt: skip
 
 
 class _CutToTF32(torch.autograd.Function):
@@ -781,7 +778,7 @@ def _operands_at(precision):
 
 
 @needs_triton
-@pytest.mark.parametrize("precision", ["ieee", "tf32", "tf32x3", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_layers_float32_against_float64(precision):
     """The three-way rule at every precision, the reference's operands cut to the
     precision's (:func:`_operands_at`; the interpreter computes tf32 in full fp32
@@ -793,7 +790,8 @@ def test_layers_float32_against_float64(precision):
         lambda *a: reference.mixing_stack(*a, _operands_at(precision)), x32, *a32
     )  # fmt: skip
     got = _fwd_and_force_bwd(
-        lambda *a: cohorts.mixing_stack(*a, fused=precision), x32, *a32
+        lambda *a: cohorts.mixing_stack(*a, kernels="layers", precision=precision),
+        x32, *a32,
     )  # fmt: skip
     for out, r32, r64 in zip(got, ref32, ref64, strict=True):
         assert_close_three_way(out, r32, r64, f"layer kernels, {precision}")
@@ -807,14 +805,14 @@ def test_split_tf32_is_exact_and_rounds_to_nearest_even():
     w = torch.randn(3, 40, 24, generator=g) * torch.logspace(-8, 8, 24)
     w[0, 0, :4] = torch.tensor([0.0, -0.0, 1.0, -3.5])
     for t in (w, w.transpose(1, 2)):
-        hi, lo = layers_mod.split_tf32(t)
+        hi, lo = split_tf32(t)
         assert hi.shape == lo.shape == t.shape
         assert not (hi.view(torch.int32) & 0x1FFF).any()
         assert torch.equal(hi.double() + lo.double(), t.double())
         assert (lo.abs() <= t.abs() * 2.0**-11).all()
     one = 1.0 + 2.0**-10  # even mantissa below, odd above: ties to even
     ties = torch.tensor([1.0 + 2.0**-11, one + 2.0**-11, -(1.0 + 2.0**-11)])
-    hi, _ = layers_mod.split_tf32(ties)
+    hi, _ = split_tf32(ties)
     assert hi.tolist() == [1.0, 1.0 + 2.0**-9, -1.0]
 
 
@@ -831,7 +829,8 @@ def test_layers_weight_gradients_take_the_cohort_recomputation():
         gy = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in y]
         return torch.autograd.grad(y, params, gy)
 
-    got = grads(functools.partial(cohorts.mixing_stack, fused="ieee", cohort_edges=16))
+    got = grads(functools.partial(cohorts.mixing_stack, kernels="layers",
+                                  cohort_edges=16))  # fmt: skip
     for a, b in zip(got, grads(reference.mixing_stack), strict=True):
         assert rel_err(a, b) < 1e-12
 
@@ -845,27 +844,29 @@ import sys
 from ecekern._triton import gluon
 if gluon is None:
     sys.exit(77)
-from ecekern.cohorts import fused
-assert fused.PRECISIONS == ("ieee", "tf32", "tf32x3", "bf16")
-for prec in fused.PRECISIONS:
-    bk = fused.BK[prec]
+from ecekern.stack_fused import backward_kernel, forward_kernel, ring
+assert tuple(ring.BK) == ("ieee", "tf32", "tf32x3", "bf16")  # the kernels' names
+for prec in ring.BK:
+    bk = ring.BK[prec]
     dt, name = (gl.bfloat16, "bf16") if prec == "bf16" else (gl.float32, "fp32")
     box = gl.NVMMASharedLayout.get_default_for([64, bk], dt)
     desc = f"tensordesc<{name}[64, {bk}],{box!r}>"
     for kernel, c in (
-            (fused._fused_fwd_kernel, dict(K=2, HAS_B=True, HAS_BO=True, SLAB=False)),
-            (fused._fused_fwd_kernel, dict(K=2, HAS_B=False, HAS_BO=True, SLAB=True)),
-            (fused._fused_bwd_kernel, dict(K=2, RECOMP=False, HAS_B=False)),
-            (fused._fused_bwd_kernel, dict(K=2, RECOMP=True, HAS_B=True))):
+            (forward_kernel._fused_fwd_kernel,
+             dict(K=2, HAS_B=True, HAS_BO=True, SLAB=False)),
+            (forward_kernel._fused_fwd_kernel,
+             dict(K=2, HAS_B=False, HAS_BO=True, SLAB=True)),
+            (backward_kernel._fused_bwd_kernel, dict(K=2, RECOMP=False, HAS_B=False)),
+            (backward_kernel._fused_bwd_kernel, dict(K=2, RECOMP=True, HAS_B=True))):
         c |= dict(SIN0=True, X3=prec == "tf32x3", FMA=prec == "ieee", BK=bk,
-                  STG=fused.STAGES, num_warps=fused.WARPS)
+                  STG=ring.STAGES, num_warps=forward_kernel.WARPS)
         names = kernel.arg_names
         sig = {n: "constexpr" if n in c else desc if n.endswith("desc")
                else "*fp32" if n.endswith("ptr") else "i32" for n in names}
         src = GluonASTSource(fn=kernel, signature=sig,
                              constexprs={(names.index(k),): v for k, v in c.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=fused.WARPS))
+                           options=dict(num_warps=forward_kernel.WARPS))
         ptx = k.asm["ptx"]
         n = ptx.count("wgmma.mma_async")
         want = {"ieee": 0, "tf32": 50, "tf32x3": 150, "bf16": 25}[prec]
@@ -884,7 +885,7 @@ _COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ecekern.cohorts import layer_kernels as layers
+from ecekern.stack_layers import kernels as layers
 for prec in ("tf32x3", "bf16"):
     BE, BN, BK, warps, stages = layers.TILES[prec]
     for kernel, flags in (
@@ -942,7 +943,7 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
     xc, xs = (t.detach() for t in x)
     z = torch.zeros(2, 3, 2, 5, 32, dtype=torch.float64)
     gc, gs = (torch.zeros(5, 16, 3, dtype=torch.float64) for _ in range(2))
-    fwd, bwd = layers_mod.stack_forward, layers_mod.stack_backward
+    fwd, bwd = stack_layers.stack_forward, stack_layers.stack_backward
     cases = [
         (lambda: fwd(xc[:, :16], xs, ws, bs, wo, bo), "x_cos"),
         (lambda: fwd(xc, xs[:4], ws, bs, wo, bo), "x_sin"),
@@ -951,7 +952,7 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         (lambda: fwd(xc, xs, ws, bs[:1], wo, bo), "biases"),
         (lambda: fwd(xc, xs, ws, bs, wo, bo[:3]), "bias"),
         (lambda: bwd(z[:, :, :, :4], gc, gs, ws, wo), "z"),
-        (lambda: fwd(xc, xs, ws, bs, wo, bo, "ieee", 0), "cohort_edges"),
+        (lambda: fwd(xc, xs, ws, bs, wo, bo, "fp32", 0), "cohort_edges"),
         (lambda: bwd(z, gc, gs[:, :8], ws, wo), "g_sin"),
         (lambda: bwd(z, gc, gs, ws[:1], wo), "weights"),
         (lambda: bwd(z, gc, gs, ws, torch.zeros_like(wo).repeat(1, 2, 1)), "g_cos"),
@@ -959,6 +960,7 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         (lambda: fwd(xc, xs, ws, bs, wo[0], bo), "weight_out"),
         (lambda: fwd(xc, xs, ws, bs, wo, bo, "tf32"), "float64 takes"),
         (lambda: fwd(xc, xs, ws, bs, wo, bo, "fp8"), "precision"),
+        (lambda: fwd(xc, xs, ws, bs, wo, bo, "ieee"), "precision"),  # a kernel name
     ]
     for call, name in cases:
         with pytest.raises(ValueError, match=name):
@@ -971,7 +973,7 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         fwd(xc, xs, ws, [bs[0], bo.new_zeros(5)], wo, bo)
     with pytest.raises(ValueError, match="contiguous"):
         bwd(z.transpose(3, 4).contiguous().transpose(3, 4), gc, gs, ws, wo)
-    rec = layers_mod.stack_recompute_backward
+    rec = stack_layers.stack_recompute_backward
     with pytest.raises(ValueError, match="weight_out has n_ang = 2"):
         bwd(z, gc, gs, ws, wo[:2])
     with pytest.raises(TypeError, match="z has dtype"):  # z, not the weights
@@ -989,24 +991,29 @@ def test_layer_kernels_reject_bad_inputs_before_launch():
         rec(xc, xs, gc, gs, ws, None, wo)
     with pytest.raises(TypeError, match="biases must be a list"):
         cohorts.mixing_stack(xc, xs, ws, None, wo, bo)
-    y = fwd(xc, xs, ws, bs, wo, bo, "ieee", np.int64(3))  # any integer cohort
-    assert torch.equal(y[0], fwd(xc, xs, ws, bs, wo, bo, "ieee", 3)[0])
+    y = fwd(xc, xs, ws, bs, wo, bo, "fp32", np.int64(3))  # any integer cohort
+    assert torch.equal(y[0], fwd(xc, xs, ws, bs, wo, bo, "fp32", 3)[0])
 
 
-def test_cohort_precision_auto():
-    """``cohort_fused="auto"``: 3xTF32 for float32 on CUDA (with or without
-    ``cohort_recompute``), the linears otherwise (float64, the CPU); a named
-    precision is used."""
-    with options.use(cohort_fused="auto"):
-        assert options.cohort_precision("cuda", torch.float32) == "tf32x3"
-        assert options.cohort_precision("cuda", torch.float64) is None
-        assert options.cohort_precision("cpu", torch.float32) is None
-    with options.use(cohort_fused="auto", cohort_recompute=True):
-        assert options.cohort_precision("cuda", torch.float32) == "tf32x3"
-    with options.use(cohort_fused="ieee"):
-        assert options.cohort_precision("cpu", torch.float64) == "ieee"
-    with options.use(cohort_fused="off"):
-        assert options.cohort_precision("cuda", torch.float32) is None
+def test_the_plan_chooses_the_stack():
+    """``"auto"``: the layer kernels in 3xTF32 for float32 on CUDA (keeping z or
+    recomputing), the linears otherwise (float64, the CPU); a named stack and
+    precision are used where they can serve."""
+    shapes = ecekern.plan.Shapes(2, 2, 32, 2)
+
+    def plan(device, dtype, **opts):
+        cap = (9, 0) if device == "cuda" else None
+        return ecekern.plan.resolve(device, cap, dtype, False, shapes,
+                                    options.Options(**opts))  # fmt: skip
+
+    got = plan("cuda", torch.float32)
+    assert (got.stack, got.precision, got.memory) == ("layers", "3xtf32", "keep")
+    assert plan("cuda", torch.float32, memory="recompute").precision == "3xtf32"
+    assert plan("cuda", torch.float64).stack == "linears"
+    assert plan("cpu", torch.float32).stack == "linears"
+    got = plan("cpu", torch.float64, stack="layers")
+    assert (got.stack, got.precision, got.memory) == ("layers", "fp64", "keep")
+    assert plan("cuda", torch.float32, stack="linears").precision == "fp32"
 
 
 def test_fused_cannot_serve_falls_back_loudly():
@@ -1015,9 +1022,7 @@ def test_fused_cannot_serve_falls_back_loudly():
     a bool, is an error. On the device the kernels run on (CUDA, else the
     interpreter's CPU), so that the reason is the call's and not the device's."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if layers_mod.why_not_layers(
-        torch.empty(1, 32, 1, device=dev), torch.empty(1, 16, 32), "ieee"
-    ):
+    if stack_layers.why_not("fp32", dev, torch.float32, 32, 16):
         pytest.skip("Triton (or its interpreter) is not available")
 
     def on_dev(x, ws, bs, wo, bo):
@@ -1029,27 +1034,33 @@ def test_fused_cannot_serve_falls_back_loudly():
     x, *args = on_dev(*_fused_args(9, 1, 2, True, F=24, Fo=12))  # 24, 12: not 16k
     ref = reference.mixing_stack(*x, *args)
     with pytest.warns(options.FallbackWarning, match="multiples of 16"):
-        y = cohorts.mixing_stack(*x, *args, fused="ieee")
+        y = cohorts.mixing_stack(*x, *args, kernels="layers")
     assert all(rel_err(a, b) < 1e-12 for a, b in zip(y, ref, strict=True))
     x, *args = on_dev(*_fused_args(9, 1, 2, True))
     with pytest.warns(options.FallbackWarning, match="precision"):  # float64
-        cohorts.mixing_stack(*x, *args, fused="tf32")
-    for bad in ("fp8", "IEEE", "off", "", True, ["ieee"]):  # not a precision
-        with pytest.raises(ValueError, match="fused must be"):
-            cohorts.mixing_stack(*x, *args, fused=bad)
+        cohorts.mixing_stack(*x, *args, kernels="layers", precision="tf32")
+    for bad in ("fp8", "IEEE", "ieee", "off", "", True, ["fp32"], None):
+        with pytest.raises(ValueError, match="precision must be"):  # not a precision
+            cohorts.mixing_stack(*x, *args, kernels="layers", precision=bad)
+        with pytest.raises(ValueError, match="precision must be"):  # nor with linears
+            cohorts.mixing_stack(*x, *args, precision=bad)
+    for bad in ("fp8", "ieee", "off", "", "stack", True, ["layers"]):  # no kernels
+        with pytest.raises(ValueError, match="kernels must be"):
+            cohorts.mixing_stack(*x, *args, kernels=bad)
+        with pytest.raises(ValueError, match="kernels must be"):
+            cohorts.why_not(bad, "fp32", "cpu", None, torch.float32, 32, 16, 3)
     with pytest.raises(TypeError, match="sin0_zero"):
-        cohorts.mixing_stack(*x, *args, fused="ieee", sin0_zero=1)
+        cohorts.mixing_stack(*x, *args, kernels="layers", sin0_zero=1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "precision",
-    ["ieee", "tf32x3", "tf32", "bf16", *layers_mod.STACKS],
-)
-def test_gpu_layers_three_way(precision):
+@pytest.mark.parametrize("kernels", cohorts.KERNELS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gpu_layers_three_way(kernels, precision):
     """The book's widths (F = 192, F' = 96, n_ang = 3, K = 2) on CUDA, in cohorts of
-    2048 rows with a tail tile; the three-way rule, the reference's operands cut to
-    the precision's (:func:`_operands_at`: 3xTF32 against strict fp32)."""
+    2048 rows with a tail tile, by the layer kernels and the fused stack; the
+    three-way rule, the reference's operands cut to the precision's
+    (:func:`_operands_at`: 3xTF32 against strict fp32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     x64, *a64 = _fused_args(5003, 2, 3, True, F=192, Fo=96)
@@ -1065,7 +1076,7 @@ def test_gpu_layers_three_way(precision):
     )  # the reference's fp32 products in fp32, its operands cut by _operands_at
     try:
         ref32 = _fwd_and_force_bwd(
-            lambda *a: reference.mixing_stack(*a, _operands_at(_products(precision))),
+            lambda *a: reference.mixing_stack(*a, _operands_at(precision)),
             x32, *a32,
         )  # fmt: skip
     finally:
@@ -1074,16 +1085,12 @@ def test_gpu_layers_three_way(precision):
     with warnings.catch_warnings():
         warnings.simplefilter("error", options.FallbackWarning)  # the kernels serve it
         got = _fwd_and_force_bwd(
-            lambda *a: cohorts.mixing_stack(*a, fused=precision, cohort_edges=2048),
+            lambda *a: cohorts.mixing_stack(*a, kernels=kernels, precision=precision,
+                                            cohort_edges=2048),
             x32, *a32,
         )  # fmt: skip
     for out, r32, r64 in zip(got, ref32, ref64, strict=True):
-        assert_close_three_way(out, r32, r64, f"layers on CUDA, {precision}")
-
-
-def _products(precision):
-    """The precision of a kernel's products: a fused stack's, or the kernel's own."""
-    return layers_mod.STACKS.get(precision, precision)
+        assert_close_three_way(out, r32, r64, f"{kernels} on CUDA, {precision}")
 
 
 def _planes_rows(E, W, dev, seed, nan_sin0):
@@ -1099,8 +1106,8 @@ def _planes_rows(E, W, dev, seed, nan_sin0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("E", [1, 31, 33, 8193])
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep_z", "recompute"])
-@pytest.mark.parametrize("stack", [*layers_mod.STACKS])
-def test_gpu_stack_on_planes_pairs(E, recompute, stack):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gpu_stack_on_planes_pairs(E, recompute, precision):
     """The model's call of the fused stack: rows that are a planes pair, sin0_zero
     (the m = 0 sin plane NaN: never read), one cohort and a tail tile; forward and
     force backward, kept z and recomputing, against the fp64 reference by the
@@ -1119,17 +1126,18 @@ def test_gpu_stack_on_planes_pairs(E, recompute, stack):
     options.reset_fallback_warnings()
     with warnings.catch_warnings():
         warnings.simplefilter("error", options.FallbackWarning)
-        y_cos, y_sin, z = layers_mod.stack_forward(
-            *rows(X), *f32, stack, keep=not recompute, **kw
+        y_cos, y_sin, z = stack_fused.stack_forward(
+            *rows(X), *f32, precision, keep=not recompute, **kw
         )  # fmt: skip
         if recompute:
-            dx = layers_mod.stack_recompute_backward(
-                *rows(X), *rows(G), f32[0], f32[1], f32[2], stack, **kw
+            dx = stack_fused.stack_recompute_backward(
+                *rows(X), *rows(G), f32[0], f32[1], f32[2], precision, **kw
             )  # fmt: skip
         else:
-            dx = layers_mod.stack_backward(z, *rows(G), f32[0], f32[2], stack, **kw)
-    assert layers_mod._as_planes(y_cos, y_sin) is not None
-    assert layers_mod._as_planes(*dx) is not None
+            dx = stack_fused.stack_backward(z, *rows(G), f32[0], f32[2], precision,
+                                            **kw)  # fmt: skip
+    assert as_planes(y_cos, y_sin) is not None
+    assert as_planes(*dx) is not None
     for t in (y_sin, dx[1]):
         assert torch.equal(t[..., 0], torch.zeros_like(t[..., 0]))
 
@@ -1149,70 +1157,83 @@ def test_gpu_stack_on_planes_pairs(E, recompute, stack):
         torch.backends.cuda.matmul.allow_tf32, False,
     )  # fmt: skip
     try:
-        ref32 = ref(torch.float32, _operands_at(_products(stack)))
+        ref32 = ref(torch.float32, _operands_at(precision))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = strict
     for out, r32, r64 in zip((y_cos, y_sin, *dx), ref32, ref64, strict=True):
-        assert_close_three_way(out, r32, r64, f"{stack}, E = {E}")
+        assert_close_three_way(out, r32, r64, f"fused {precision}, E = {E}")
 
 
 @needs_triton
-@pytest.mark.parametrize("stack", [*layers_mod.STACKS])
-def test_stack_falls_back_to_the_layer_kernels_loudly(stack):
-    """A fused stack where its kernels cannot serve (here: not CUDA, or widths
-    other than the book's) runs the layer kernels at its products' precision, with
-    a FallbackWarning that says why, and gives their result bit for bit."""
-    prec = layers_mod.STACKS[stack]
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stack_falls_back_to_the_layer_kernels_loudly(precision):
+    """The fused stack where its kernels cannot serve (here: not CUDA, or widths
+    other than the book's) runs the layer kernels at its precision, with a
+    FallbackWarning that says why, and gives their result bit for bit, forward and
+    force backward; its own launchers refuse the call with the reason."""
     x, ws, bs, wo, bo = _fused_args(37, 2, 3, True, dtype=torch.float32)
-    x = [t.detach() for t in x]
     g = [torch.randn(37, 16, 3) for _ in range(2)]
+
+    def run(kernels):
+        xs = [t.detach().requires_grad_() for t in x]
+        y = cohorts.mixing_stack(*xs, ws, bs, wo, bo, kernels=kernels,
+                                 precision=precision, cohort_edges=16)  # fmt: skip
+        return (*y, *torch.autograd.grad(y, xs, g))
+
     options.reset_fallback_warnings()
-    with pytest.warns(options.FallbackWarning, match=rf"{stack}.*(CUDA|192|Gluon)"):
-        y = layers_mod.stack_forward(*x, ws, bs, wo, bo, stack)
-    ref = layers_mod.stack_forward(*x, ws, bs, wo, bo, prec)
-    for a, b in zip(y, ref, strict=True):
+    with pytest.warns(options.FallbackWarning,
+                      match=rf"fused {precision}.*(CUDA|192|Gluon)"):  # fmt: skip
+        got = run("fused")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", options.FallbackWarning)  # the layers serve
+        ref = run("layers")
+    for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
-    dx = layers_mod.stack_backward(y[2], *g, ws, wo, stack)
-    for a, b in zip(dx, layers_mod.stack_backward(ref[2], *g, ws, wo, prec),
-                    strict=True):  # fmt: skip
-        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="fused stack cannot serve.*(CUDA|192|Gluon)"):
+        stack_fused.stack_forward(*[t.detach() for t in x], ws, bs, wo, bo, precision)
 
 
 def test_stack_why_not_and_z_layout():
     """What the fused kernels serve, said before any launch; a z that is not a
     cohort's rows of a contiguous ``(K, 3, 2, E, F)`` is a ValueError."""
-    from ecekern.cohorts import fused
+    from ecekern.stack_fused import launch
 
-    why = fused.why_not_fused
+    def why(F, FO, n_ang, dtype, dev, prec, cap=None):
+        got = stack_fused.why_not(prec, dev, cap, dtype, F, FO, n_ang)
+        fused = cohorts.why_not("fused", prec, dev, cap, dtype, F, FO, n_ang)
+        assert got == fused  # one answer, whoever asks
+        return got
+
     dev = "cuda"
     for cap in ((8, 0), (10, 0), (12, 0)):  # Ampere, Blackwell: not the kernels'
         assert f"sm_{cap[0]}0" in why(192, 96, 3, torch.float32, dev, "tf32", cap)
-    assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32x3", None)
-    if fused.gluon is None:  # (Triton's interpreter on, or another release)
-        assert why(192, 96, 3, torch.float32, dev, "tf32") == fused.GLUON_REASON
+    assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "3xtf32", None)
+    if stack_fused.gluon is None:  # (Triton's interpreter on, or another release)
+        assert why(192, 96, 3, torch.float32, dev, "tf32") == stack_fused.GLUON_REASON
     else:
         assert why(192, 96, 3, torch.float32, dev, "tf32") is None
         assert why(192, 96, 3, torch.float32, dev, "tf32", (9, 0)) is None
         assert "CUDA" in why(192, 96, 3, torch.float32, "cpu", "tf32")
         assert "float32" in why(192, 96, 3, torch.float64, dev, "tf32")
-        for prec in ("ieee", "tf32x3", "bf16"):
+        for prec in ("fp32", "3xtf32", "bf16"):
             assert why(192, 96, 3, torch.float32, dev, prec) is None
-        assert "float32" in why(192, 96, 3, torch.float32, dev, "fp8")
+        assert "float32" in why(192, 96, 3, torch.float32, dev, "ieee")
         assert "192" in why(128, 64, 3, torch.float32, dev, "tf32")
-    xp, yp = torch.zeros(3, 2, 5, 192), torch.zeros(3, 2, 5, 96)
+    assert cohorts.why_not(None, "tf32", "cpu", None, torch.float16, 5, 3, 1) is None
+    xp = torch.zeros(3, 2, 5, 192)
     ws, wo = [torch.zeros(3, 192, 192)], torch.zeros(3, 96, 192)
+    rows = torch.zeros(5, 192, 3)
     with pytest.raises(ValueError, match="cannot serve.*CUDA"):  # public, so checked
-        fused.fused_forward(xp, ws, [None], wo, None, torch.zeros(1, 3, 2, 5, 192),
-                            yp, False, "tf32x3")  # fmt: skip
+        stack_fused.stack_forward(rows, rows, ws, [None], wo, None, "3xtf32")
     with pytest.raises(TypeError, match="float32"):
-        layers_mod.split_tf32(torch.zeros(3, 4, 4, dtype=torch.float64))
+        split_tf32(torch.zeros(3, 4, 4, dtype=torch.float64))
     big = torch.empty(3, 2, 11_200_000, 192, device="meta")  # 2**31 values a plane
     near = torch.empty(3, 2, 11_150_000, 192, device="meta")  # sin part + rows: over
     for bad, n in ((big, 11_200_000), (near[:, :, :65536], 65536)):
         with pytest.raises(ValueError, match="fewer than 2"):
-            fused._check_planes(n, x=(bad, 192))
+            launch._check_planes(n, x=(bad, 192))
     with pytest.raises(ValueError, match="not the fused stack's planes"):
-        fused._check_planes(7, x=(torch.zeros(3, 2, 8, 192), 192))
+        launch._check_planes(7, x=(torch.zeros(3, 2, 8, 192), 192))
     gp, dxp = torch.zeros(3, 2, 5, 96), torch.zeros(3, 2, 5, 192)
     kept, recomputing = ((None, None), (None, None), 2, "tf32"), (
         (None, None), (None, None), None, 2, "tf32")  # fmt: skip
@@ -1220,49 +1241,49 @@ def test_stack_why_not_and_z_layout():
     for prep, z, x in ((kept, None, xp), (recomputing, z1, None), (kept, None, None),
                        (recomputing, None, None)):  # fmt: skip
         with pytest.raises(ValueError, match="kept z, or x"):
-            fused.backward(gp, prep, z, dxp, False, x)
+            launch.backward(gp, prep, z, dxp, False, x)
     ok = torch.empty(3, 2, 5_000_000, 192, device="meta")
-    fused._check_planes(5, x=(ok[:, :, 5:10], 192))  # a cohort's rows of it
+    launch._check_planes(5, x=(ok[:, :, 5:10], 192))  # a cohort's rows of it
     zbig = torch.empty(2, 3, 2, 2_500_000, 192, device="meta")  # 6 E F > 2**31: fine
-    assert fused._z_plane(zbig[:, :, :, :100], 2, 100) == 2_500_000 * 192
+    assert launch._z_plane(zbig[:, :, :, :100], 2, 100) == 2_500_000 * 192
     z = torch.empty(2, 3, 2, 100, 192)
-    assert fused._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
+    assert launch._z_plane(z[:, :, :, 10:50], 2, 40) == 100 * 192
     for bad in (z.transpose(3, 4)[..., :192, :100], torch.empty(2, 3, 2, 40, 192)[:1]):
         with pytest.raises(ValueError, match="cohort's rows"):
-            fused._z_plane(bad, 2, 40)
+            launch._z_plane(bad, 2, 40)
 
 
 @pytest.mark.parametrize("planes", [True, False], ids=["planes", "copied_rows"])
 def test_stack_dispatch_keep_and_recompute(monkeypatch, planes):
-    """Without a GPU: what layers hands the fused launchers, the kernels replaced by
-    the launchers' own checks. Keeping z, the forward gets a cohort's z and the
-    backward reads it; recomputing, the forward gets no z (y only) and the backward
-    gets x instead; every planes tensor passes the launchers' index checks."""
-    from ecekern.cohorts import fused
+    """Without a GPU: what the fused stack's cohort launchers hand the tile
+    launchers, the kernels replaced by the tile launchers' own checks. Keeping z,
+    the forward gets a cohort's z and the backward reads it; recomputing, the
+    forward gets no z (y only) and the backward gets x instead; every planes tensor
+    passes the launchers' index checks."""
+    from ecekern.stack_fused import launch
 
     calls = []
 
     def forward(xp, prep, z, yp, sin0):
         n = xp.shape[2]
-        fused._check_planes(n, x=(xp, 192), y=(yp, 96))
+        launch._check_planes(n, x=(xp, 192), y=(yp, 96))
         if z is not None:
-            fused._z_plane(z, 2, n)
+            launch._z_plane(z, 2, n)
         calls.append(("forward", n, z is not None))
 
     def backward(gp, prep, z, dxp, sin0, xp=None):
         n = gp.shape[2]
         x = {} if xp is None else {"x": (xp, 192)}
-        fused._check_planes(n, dy=(gp, 96), dx=(dxp, 192), **x)
+        launch._check_planes(n, dy=(gp, 96), dx=(dxp, 192), **x)
         if z is not None:
-            fused._z_plane(z, 2, n)
+            launch._z_plane(z, 2, n)
         calls.append(("backward", n, z is not None, xp is not None))
 
-    monkeypatch.setattr(layers_mod, "_checked", lambda x, w, wo, p, dt: wo.shape)
-    monkeypatch.setattr(layers_mod, "_resolve", lambda p, *a: ("tf32", True))
+    monkeypatch.setattr(stack_fused, "why_not", lambda *a: None)  # as on an H200
     for name, fn in (("forward", forward), ("backward", backward),
                      ("forward_weights", lambda *a: None),
                      ("backward_weights", lambda *a: None)):  # fmt: skip
-        monkeypatch.setattr(fused, name, fn)
+        monkeypatch.setattr(stack_fused, name, fn)
     _, ws, bs, wo, _ = _fused_args(1, 2, 3, True, dtype=torch.float32, F=192, Fo=96)
     X = _planes_rows(5003, 192, "cpu", 1, False)
     G = _planes_rows(5003, 96, "cpu", 2, False)
@@ -1271,14 +1292,14 @@ def test_stack_dispatch_keep_and_recompute(monkeypatch, planes):
     if not planes:
         x, g = [t.contiguous() for t in x], [t.contiguous() for t in g]
     kw = {"cohort_edges": 2048, "sin0_zero": True}
-    z = layers_mod.stack_forward(*x, ws, bs, wo, None, "tf32-stack", **kw)[2]
-    layers_mod.stack_backward(z, *g, ws, wo, "tf32-stack", **kw)
+    z = stack_fused.stack_forward(*x, ws, bs, wo, None, "tf32", **kw)[2]
+    stack_fused.stack_backward(z, *g, ws, wo, "tf32", **kw)
     assert calls == [("forward", n, True) for n in (2048, 2048, 907)] + [
         ("backward", n, True, False) for n in (2048, 2048, 907)]  # fmt: skip
     calls.clear()
-    y = layers_mod.stack_forward(*x, ws, bs, wo, None, "tf32-stack", keep=False, **kw)
+    y = stack_fused.stack_forward(*x, ws, bs, wo, None, "tf32", keep=False, **kw)
     assert y[2] is None
-    layers_mod.stack_recompute_backward(*x, *g, ws, bs, wo, "tf32-stack", **kw)
+    stack_fused.stack_recompute_backward(*x, *g, ws, bs, wo, "tf32", **kw)
     assert calls == [("forward", n, False) for n in (2048, 2048, 907)] + [
         ("backward", n, False, True) for n in (2048, 2048, 907)]  # fmt: skip
 
@@ -1286,7 +1307,7 @@ def test_stack_dispatch_keep_and_recompute(monkeypatch, planes):
 @pytest.mark.gpu
 def test_gpu_physics_with_the_layer_kernels(monkeypatch):
     """What an MD user checks, with the stack on the layer kernels on CUDA, in
-    float64 (their ``"ieee"`` precision: the reference's arithmetic, so the tests'
+    float64 (their ``"fp32"`` precision: the reference's arithmetic, so the tests'
     bounds are the CPU's): the energy and forces are continuous across the cutoff,
     and velocity Verlet's energy error over the same 100 fs scales as dt^2 (a ratio
     of about 4 between 1 and 0.5 fs) while pairs cross the cutoff."""
@@ -1301,19 +1322,19 @@ def test_gpu_physics_with_the_layer_kernels(monkeypatch):
     from ecekern.graph import build_graph
 
     calls = []
-    real = layers_mod.stack_forward
+    real = stack_layers.stack_forward
 
     def spy(*args, **kw):
         calls.append(args[0].shape[0])
         return real(*args, **kw)
 
-    monkeypatch.setattr(layers_mod, "stack_forward", spy)
+    monkeypatch.setattr(stack_layers, "stack_forward", spy)
     cfg = ecekern.ECEConfig(channels=16, radial_hidden=16, readout_hidden=8,
                             n_gated=2, cutoff=3.0)  # fmt: skip
     torch.manual_seed(0)
     model = ecekern.ECEModel(cfg).double()
     calc = ECECalculator(model, device="cuda")
-    with options.use(cohorts=True, cohort_fused="ieee", cohort_edges=1000):
+    with options.use(memory="keep", stack="layers", cohort_edges=1000):
         rc = cfg.cutoff
         for n_atoms in (2, 3):
             ef = []

@@ -38,7 +38,9 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from ..cohorts import COHORT_EDGES, layers
+from .._stack_common import kernel_precision
+from ..cohorts import COHORT_EDGES
+from ..model import _stack_kernels
 from .common import book_config, device, free, parse_parts, run_ncu, run_parts
 
 __all__ = ["capture"]
@@ -52,19 +54,28 @@ COHORTS = (
     ("recompute", 8192, True),
     ("recompute", 131072, True),
 )
+
+
+def _label(option: str) -> str:
+    """A case's label from its ``cohort_fused`` option: ``"layers <products>"`` or
+    ``"stack <products>"`` (the kernels' names of the products)."""
+    kernels, precision = _stack_kernels(option)
+    family = "stack" if kernels == "fused" else "layers"
+    return f"{family} {kernel_precision(precision)}"
+
+
 #: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
-#: per tile of edges, ``"ieee-stack"``, ``"tf32x3-stack"``, ...): (label,
-#: precision); they skip the m = 0 sin part as the model does (``sin0_zero``).
-FUSED = (
-    *((f"layers {p}", p) for p in layers.PRECISIONS),
-    *((f"stack {p}", name) for name, p in layers.STACKS.items()),
-)
-#: The layer kernels recomputing z in the backward: (label, precision, cohort_edges).
+#: per tile of edges): (label, ``cohort_fused`` option, as
+#: ``ecekern.options.COHORT_FUSED`` names them), the layer kernels in the order
+#: strict fp32, TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32,
+#: bf16; they skip the m = 0 sin part as the model does (``sin0_zero``).
+FUSED = tuple((_label(o), o) for o in options.COHORT_FUSED[2:])
+#: The layer kernels recomputing z in the backward: (label, option, cohort_edges).
 FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)
 #: The fused stacks whose forward writes only y and whose backward makes each tile's
-#: z again on chip: (label, stack).
-STACK_RECOMPUTE = tuple((f"stack {p} recompute", name)
-                        for name, p in layers.STACKS.items())  # fmt: skip
+#: z again on chip: (label, option).
+STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
+                        if label.startswith("stack"))  # fmt: skip
 
 
 def capture(
@@ -132,7 +143,6 @@ def _planes_copy(rows):
 def _stack(out: Path, reps: list[int], dev: str) -> str:
     import ecekern
     from ecekern import cohorts, reference
-    from ecekern.cohorts.layers import why_not_layers
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
@@ -163,14 +173,19 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         cases.append((label, c, True, p))
         cases += [(label, COHORT_EDGES, True, p) for label, p in STACK_RECOMPUTE]
         for label, cohort, recompute, fused in cases:
-            why = fused and why_not_layers(x_rows[0], layer.out.weight, fused)
+            kernels, precision = _stack_kernels(fused)
+            why = kernels and cohorts.why_not(
+                "layers", precision, dev, None, torch.float32, cfg.F,
+                layer.out.weight.shape[1], cfg.n_ang,
+            )  # fmt: skip
             if why:  # the interpreter's tiny model: widths without a factor 16
                 rows.append({"stack": label, "n_edges": E, "note": why})
                 bench.write_csv(rows, out / "stack.csv")
                 continue
 
-            def run(cohort=cohort, recompute=recompute, fused=fused):
-                x, gy = (xp, gyp) if fused else (x_rows, gy_rows)
+            def run(cohort=cohort, recompute=recompute, kernels=kernels,
+                    precision=precision):  # fmt: skip
+                x, gy = (xp, gyp) if kernels else (x_rows, gy_rows)
                 if cohort is None:
                     y = reference.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
@@ -180,7 +195,8 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     y = cohorts.mixing_stack(
                         *x, weights, biases, layer.out.weight, layer.out.bias,
                         equivariant_linear, cohort_edges=cohort, recompute=recompute,
-                        fused=fused, sin0_zero=fused is not None,
+                        kernels=kernels, precision=precision,
+                        sin0_zero=kernels is not None,
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 

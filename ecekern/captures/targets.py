@@ -195,12 +195,12 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
         )
 
 
-def _stack_ranges(x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
-    """For each precision: the stack's forward, then its force backward from the z
-    it kept (or, with ``recompute``, the forward that keeps no z and the backward
-    that makes it again), each once in an NVTX range after a warm-up."""
-    from ecekern.cohorts import layers
-
+def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
+    """For each precision: the stack's forward by the kernel family ``layers``
+    (:mod:`ecekern.stack_layers` or :mod:`ecekern.stack_fused`), then its force
+    backward from the z it kept (or, with ``recompute``, the forward that keeps no
+    z and the backward that makes it again), each once in an NVTX range after a
+    warm-up."""
     for p in precisions:
         if recompute:
             _in_range(lambda p=p: layers.stack_forward(*x, ws, bs, wo, bo, p,
@@ -220,7 +220,7 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     """Chapter 6's layer kernels (K = 2) on one cohort of the library's size, fp32:
     the forward, then the force backward, at each precision, the library's tiles,
     skipping the m = 0 sin part as the model does (``sin0_zero``)."""
-    from ecekern.cohorts import layers
+    from ecekern import stack_layers
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -231,18 +231,19 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     gy = [r(E, FO, n_ang) for _ in range(2)]
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    _stack_ranges(x, gy, ws, bs, wo, bo, layers.PRECISIONS, sin0_zero=True)
+    _stack_ranges(stack_layers, x, gy, ws, bs, wo, bo,
+                  ("fp32", "tf32", "3xtf32", "bf16"), sin0_zero=True)  # fmt: skip
 
 
 def cohorts_stack(E: int = 65_536, recompute: bool = False):
-    """Chapter 6's fused stacks (:data:`ecekern.cohorts.layers.STACKS`,
-    :mod:`ecekern.cohorts.fused`) in its order (strict fp32, 3xTF32, TF32, bf16), on
-    one cohort of the library's size, fp32, K = 2, the book's widths: the forward,
-    then the force backward, on planes pairs as the model hands them over; with
+    """Chapter 6's fused stacks (:mod:`ecekern.stack_fused`) in its order (strict
+    fp32, 3xTF32, TF32, bf16), on one cohort of the library's size, fp32, K = 2,
+    the book's widths: the forward, then the force backward, on planes pairs as the
+    model hands them over; with
     ``recompute``, the forward that writes only y and the backward that makes each
     tile's z again on chip."""
+    from ecekern import stack_fused
     from ecekern._planes import planes_pair
-    from ecekern.cohorts import layers
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -256,7 +257,8 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
     Q.copy_(r(*Q.shape))
     ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
     wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    _stack_ranges(x, gy, ws, bs, wo, bo, layers.STACKS, recompute, sin0_zero=True,
+    _stack_ranges(stack_fused, x, gy, ws, bs, wo, bo,
+                  ("fp32", "3xtf32", "tf32", "bf16"), recompute, sin0_zero=True,
                   cohort_edges=E)  # fmt: skip
 
 

@@ -35,10 +35,15 @@ Gradients: x, the weights and biases (skipped in a force step, which asks for th
 positions only). A second derivative (training on forces) recomputes the whole stack
 differentiably, at the plain stack's memory.
 
-With ``fused`` (a precision), the forward and a force step's backward are the layer
-kernels of :mod:`ecekern.cohorts.layers` (one Triton kernel per layer, the gate and
-residual in its epilogue, z kept in one tensor), or with a ``"*-stack"`` precision
-the whole stack in one kernel per tile of edges (:mod:`ecekern.cohorts.fused`).
+This is the memory strategy; the arithmetic of the forward and of a force step's
+backward is ``linear``'s, or with ``kernels`` one of two kernel families at a
+``precision``: ``"layers"``, :mod:`ecekern.stack_layers` (one Triton kernel per
+layer, the gate and residual in its epilogue, z kept in one tensor), or
+``"fused"``, :mod:`ecekern.stack_fused` (the whole stack in one Gluon kernel per
+tile of edges, sm_90). Where the fused kernels cannot serve a call the layer
+kernels do, and where those cannot the linears do, each time with a
+:class:`~ecekern.options.FallbackWarning` (:func:`why_not` says why, before any
+launch).
 
 Status: PyTorch level, any device and any ``linear``; while ``torch.compile`` traces,
 the plain stack is traced (the compiler plans its own memory). On by default for CUDA
@@ -47,18 +52,85 @@ tensors, with the layer kernels in 3xTF32 for float32 (chapter 6's H200 captures
 
 from __future__ import annotations
 
+import functools
 import numbers as _numbers
 
 import torch
 
-from .. import options, reference
+from .. import _stack_common, options, reference, stack_fused, stack_layers
 from .._autograd import engine_uses, grad_node
-from . import layers as _layers
 
-__all__ = ["COHORT_EDGES", "mixing_stack"]
+__all__ = ["COHORT_EDGES", "KERNELS", "PRECISIONS", "mixing_stack", "why_not"]
 
-#: Rows (edges) per cohort unless told otherwise.
-COHORT_EDGES = 65536
+#: Rows (edges) per cohort unless told otherwise (one value for the strategy and
+#: the kernels' cohort launchers, ``ecekern._stack_common.COHORT_EDGES``).
+COHORT_EDGES = _stack_common.COHORT_EDGES
+#: The precisions of the kernels' products, as callers name them: ``"fp32"``
+#: (strict fp32 FMA; also the name for float64 rows), ``"3xtf32"`` (fp32-accurate,
+#: three TF32 products), ``"tf32"``, ``"bf16"`` (operands rounded to bfloat16, fp32
+#: sums).
+PRECISIONS = _stack_common.PRECISIONS
+#: The kernel families that can run the stack's forward and force backward
+#: (``kernels=None``: the linears).
+KERNELS = ("layers", "fused")
+_FAMILY = {"layers": stack_layers, "fused": stack_fused}
+
+
+def _check_kernels(kernels, precision) -> None:
+    """A ValueError for a ``kernels`` or ``precision`` that is not one."""
+    if kernels is not None and (not isinstance(kernels, str) or kernels not in KERNELS):
+        raise ValueError(f"kernels must be None or one of {KERNELS}, got {kernels!r}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def why_not(kernels: str | None, precision: str, device_type: str,
+            capability: tuple | None, dtype, F: int, FO: int,
+            n_ang: int) -> str | None:  # fmt: skip
+    """Why ``kernels`` (:data:`KERNELS`, or None for the linears, which serve every
+    call) at ``precision`` (:data:`PRECISIONS`) cannot serve a stack of widths
+    ``F``, ``F'`` and ``n_ang`` orders on ``device_type`` rows of ``dtype``, or
+    None; ``capability``: the CUDA device's ``(major, minor)``, or None. Cached: a
+    step plan asks once. A ValueError for an unknown ``kernels`` or
+    ``precision``."""
+    _check_kernels(kernels, precision)
+    cap = None if capability is None else tuple(capability)
+    return _why_not(kernels, precision, device_type, cap, dtype, F, FO, n_ang)
+
+
+@functools.lru_cache(maxsize=128)
+def _why_not(kernels, precision, device_type, capability, dtype, F, FO, n_ang):
+    if kernels == "fused":
+        return stack_fused.why_not(precision, device_type, capability, dtype, F, FO,
+                                   n_ang)  # fmt: skip
+    if kernels == "layers":
+        return stack_layers.why_not(precision, device_type, dtype, F, FO)
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(dev) -> tuple | None:
+    return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+
+
+def _serving(kernels, precision, x, FO: int):
+    """The kernels that serve a call on rows ``x (E, F, n_ang)``: ``kernels``, or
+    where they cannot, the layer kernels (for the fused stack) or the linears
+    (None), each step announced (:func:`ecekern.options.fallback`)."""
+    if kernels is None:
+        return None
+    (F, n_ang), dev = x.shape[-2:], x.device
+    args = (precision, dev.type, _capability(dev), x.dtype, F, FO, n_ang)
+    why = why_not(kernels, *args)
+    if why and kernels == "fused":
+        options.fallback(f"cohorts.mixing_stack[fused {precision}]", why,
+                         to="the layer kernels")  # fmt: skip
+        kernels, why = "layers", why_not("layers", *args)
+    if why:
+        options.fallback(f"cohorts.mixing_stack[{kernels} {precision}]", why,
+                         to="the linears")  # fmt: skip
+        return None
+    return kernels
 
 
 def _stack(x_cos, x_sin, params, K, linear):
@@ -80,15 +152,17 @@ def _stack_keep(x_cos, x_sin, params, K, linear):
     return (*linear(u_cos, u_sin, params[2 * K], params[2 * K + 1]), *zs)
 
 
-def _forward(x_cos, x_sin, params, K, linear, cohort, keep, fused=None, sin0=False):
+def _forward(x_cos, x_sin, params, K, linear, cohort, keep, kern=None):
     """The stack on ``(E, F, n_ang)`` rows, a cohort at a time, into one output:
     ``(y_cos, y_sin)``, followed with ``keep`` by ``z_k`` cos and sin, k = 1..K;
-    ``fused`` (a precision): by the layer kernels, followed with ``keep`` by their
-    one ``z (K, n_ang, 2, E, F)`` (``sin0``: the m = 0 sin part skipped)."""
-    if fused is not None:
+    ``kern``: None, or ``(family, precision, sin0)`` for a kernel family's
+    ``stack_forward``, followed with ``keep`` by its one ``z (K, n_ang, 2, E, F)``
+    (``sin0``: the m = 0 sin part skipped)."""
+    if kern is not None:
+        family, precision, sin0 = kern
         w, b = params[:K], params[K : 2 * K]
-        y_cos, y_sin, z = _layers.stack_forward(
-            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], fused, cohort,
+        y_cos, y_sin, z = family.stack_forward(
+            x_cos, x_sin, w, b, params[2 * K], params[2 * K + 1], precision, cohort,
             keep=keep, sin0_zero=sin0,
         )  # fmt: skip
         return (y_cos, y_sin, z) if keep else (y_cos, y_sin)
@@ -186,27 +260,25 @@ def _cohort_backward(x_cos, x_sin, params, g_cos, g_sin, K, linear, cohort, need
 
 
 class _CohortStack(torch.autograd.Function):
-    """``(x_cos, x_sin, linear, cohort, recompute, fused, remake, K, *params) ->
+    """``(x_cos, x_sin, linear, cohort, recompute, kern, remake, K, *params) ->
     (y_cos, y_sin)``, rows ``(E, F, n_ang)``; params = K weights, K biases, the
     output weight and bias. Saved: x (unless ``remake`` makes it again), the params
-    and, unless ``recompute``, the pre-activations z_k. ``fused``: None, or
-    ``(precision, sin0)`` for the layer kernels; with ``sin0`` the m = 0 sin column
-    of x is taken as zero (the kernels skip it, the other paths of the backward zero
-    it: :func:`mixing_stack`'s ``sin0_zero``)."""
+    and, unless ``recompute``, the pre-activations z_k. ``kern``: None, or
+    ``(family, precision, sin0)`` for a kernel family (:mod:`ecekern.stack_layers`
+    or :mod:`ecekern.stack_fused`); with ``sin0`` the m = 0 sin column of x is taken
+    as zero (the kernels skip it, the other paths of the backward zero it:
+    :func:`mixing_stack`'s ``sin0_zero``)."""
 
     @staticmethod
-    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, fused, remake, K,
+    def forward(ctx, x_cos, x_sin, linear, cohort, recompute, kern, remake, K,
                 *params):  # fmt: skip
         keep = not recompute
-        sin0 = fused is not None and fused[1]
-        fused = None if fused is None else fused[0]
-        y_cos, y_sin, *zs = _forward(
-            x_cos, x_sin, params, K, linear, cohort, keep, fused, sin0
-        )
+        y_cos, y_sin, *zs = _forward(x_cos, x_sin, params, K, linear, cohort, keep,
+                                     kern)  # fmt: skip
         xs = (x_cos, x_sin) if remake is None else ()
         ctx.save_for_backward(*xs, *params, *zs)
         ctx.linear, ctx.cohort, ctx.K, ctx.n_params = linear, cohort, K, len(params)
-        ctx.fused, ctx.sin0, ctx.remake = fused, sin0, remake
+        ctx.kern, ctx.sin0, ctx.remake = kern, kern is not None and kern[2], remake
         ctx.x_meta = (x_cos.shape, x_cos.dtype, x_cos.device)
         ctx.nodes = [None if p is None else grad_node(p) for p in params]
         return y_cos, y_sin
@@ -246,7 +318,7 @@ class _CohortStack(torch.autograd.Function):
         ]
         grads_p: list = [None] * len(params)
         dx_cos = dx_sin = None
-        kernels = not double and not want and ctx.fused is not None
+        kernels = not double and not want and ctx.kern is not None
         if not double and not want and zs:  # a force step from the kept z: no x
             x_cos = x_sin = x_eff = None
         else:
@@ -255,16 +327,17 @@ class _CohortStack(torch.autograd.Function):
             if ctx.sin0 and not kernels:  # (a copy: only where the linears recompute)
                 with torch.enable_grad():
                     x_eff = _zeroed(x_sin)
-        if kernels:  # the layer kernels: a force step
+        if kernels:  # the kernels: a force step
+            family, precision, _ = ctx.kern
             if need_x and zs:  # from their one kept z
-                dx_cos, dx_sin = _layers.stack_backward(
-                    zs[0], g_cos, g_sin, params[:K], params[2 * K], ctx.fused,
+                dx_cos, dx_sin = family.stack_backward(
+                    zs[0], g_cos, g_sin, params[:K], params[2 * K], precision,
                     ctx.cohort, sin0_zero=ctx.sin0,
                 )  # fmt: skip
             elif need_x:  # recomputing each cohort's z from x
-                dx_cos, dx_sin = _layers.stack_recompute_backward(
+                dx_cos, dx_sin = family.stack_recompute_backward(
                     x_cos, x_sin, g_cos, g_sin, params[:K], params[K : 2 * K],
-                    params[2 * K], ctx.fused, ctx.cohort, sin0_zero=ctx.sin0,
+                    params[2 * K], precision, ctx.cohort, sin0_zero=ctx.sin0,
                 )  # fmt: skip
         elif not double and not want and zs:  # a force step: from the kept z_k
             if need_x:
@@ -307,7 +380,8 @@ def mixing_stack(
     linear=None,
     cohort_edges: int = COHORT_EDGES,
     recompute: bool = False,
-    fused: str | None = None,
+    kernels: str | None = None,
+    precision: str = "fp32",
     sin0_zero: bool = False,
     x_rebuild=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,30 +395,30 @@ def mixing_stack(
         weight_out, bias_out: the output layer's ``(n_ang, F', F)``, ``(F',)`` or None.
         linear: the EquivariantLinear implementation, ``linear(x_cos, x_sin, weight,
             bias)`` (default: the reference's einsum).
-        cohort_edges: rows per cohort, a positive int (with ``fused``, also the
+        cohort_edges: rows per cohort, a positive int (with ``kernels``, also the
             kernels' cohorts).
         recompute: keep only x for the backward and recompute each cohort's forward
             there (False: keep the pre-activations z_k too, so that a force step's
             backward runs no linear of the forward again).
-        fused: None, or the forward and the force step's backward by the layer
-            kernels, :func:`ecekern.cohorts.layers.stack_forward` and
-            :func:`~ecekern.cohorts.layers.stack_backward` (with ``recompute``,
-            :func:`~ecekern.cohorts.layers.stack_recompute_backward`), at this
-            precision (``"ieee"``, ``"tf32x3"``, ``"tf32"``, ``"bf16"``), or by the
-            fused stack (``"ieee-stack"``, ``"tf32x3-stack"``, ``"tf32-stack"``,
-            ``"bf16-stack"``: sm_90, F = 192, F' = 96, n_ang = 3; elsewhere the
-            layer kernels at that precision).
-            A call they cannot serve (device, dtype, widths) falls back, loudly,
-            to ``linear``; a precision not in ``layers.KERNELS`` is a
-            ValueError.
+        kernels: None (``linear``), or the forward and the force step's backward by
+            a kernel family's ``stack_forward`` and ``stack_backward`` (with
+            ``recompute``, ``stack_recompute_backward``): ``"layers"``,
+            :mod:`ecekern.stack_layers`, or ``"fused"``, :mod:`ecekern.stack_fused`
+            (sm_90, F = 192, F' = 96, n_ang = 3). A call the fused stack cannot
+            serve runs the layer kernels at ``precision``, and one they cannot
+            serve (device, dtype, widths) runs ``linear``, each time with a
+            FallbackWarning (:func:`why_not`).
+        precision: the kernels' products (:data:`PRECISIONS`): ``"fp32"`` (strict
+            fp32 FMA; the only one for float64 rows), ``"3xtf32"``, ``"tf32"``,
+            ``"bf16"``; unused without ``kernels``.
         sin0_zero: compute on ``x_sin`` with its m = 0 column taken as zero (the
             m = 0 order has no sin part; the edge frame's rows are built so).
             Then ``y_sin[..., 0] = 0`` and the gradient to ``x_sin[..., 0]`` is
             zero, and the layer kernels skip the m = 0 sin products: ``1/(2
-            n_ang)`` of their work (a sixth at n_ang = 3; the fused stacks read
-            and write no m = 0 sin plane but multiply its zeros). Without the kernels
-            (``fused=None``, or a fallback) the stack runs on a zeroed copy of
-            ``x_sin``, which it keeps in place of ``x_sin``.
+            n_ang)`` of their work (a sixth at n_ang = 3; the fused stack reads
+            and writes no m = 0 sin plane but multiplies its zeros). Without the
+            kernels (``kernels=None``, or a fallback to the linears) the stack runs
+            on a zeroed copy of ``x_sin``, which it keeps in place of ``x_sin``.
         x_rebuild: None, or a callable that makes ``(x_cos, x_sin)`` again, the
             same values (bit for bit) of the same shape; differentiable with grad
             mode on when a second derivative should reach what made x. With it
@@ -353,8 +427,8 @@ def mixing_stack(
             call it once (the model passes chapter 3's rotation).
 
     Returns:
-        ``y_cos, y_sin``, each ``(..., F', n_ang)``. With ``fused`` and rows that are
-        a planes pair (chapter 3's ``planes=True``), the two are views of one
+        ``y_cos, y_sin``, each ``(..., F', n_ang)``. With ``kernels`` and rows that
+        are a planes pair (chapter 3's ``planes=True``), the two are views of one
         planes tensor, handed to the unrotation as they are; autograd then refuses
         to modify either in place (clone it first).
 
@@ -363,7 +437,7 @@ def mixing_stack(
             that are not tensors, a weight or bias of another dtype than the rows,
             an ``x_rebuild`` that is not callable.
         ValueError: shapes that do not fit together, ``cohort_edges < 1``, an
-            unknown precision.
+            unknown ``kernels`` or ``precision``.
 
     First and second derivatives (a double backward recomputes through
     differentiable linears); ``torch.func`` transforms (``grad``, ``jvp``,
@@ -381,12 +455,7 @@ def mixing_stack(
         raise TypeError(f"sin0_zero must be a bool, got {sin0_zero!r}")
     if x_rebuild is not None and not callable(x_rebuild):
         raise TypeError(f"x_rebuild must be None or callable, got {x_rebuild!r:.60}")
-    if fused is not None and (
-        not isinstance(fused, str) or fused not in _layers.KERNELS
-    ):
-        raise ValueError(
-            f"fused must be None or one of {_layers.KERNELS}, got {fused!r}"
-        )
+    _check_kernels(kernels, precision)
     for name, seq in (("weights", weights), ("biases", biases)):
         if not isinstance(seq, (list, tuple)):
             raise TypeError(f"{name} must be a list, got {type(seq).__name__}")
@@ -438,12 +507,9 @@ def mixing_stack(
     rows = (-1, F, n_ang)
     xc, xs = x_cos.reshape(rows), x_sin.reshape(rows)
     params = (*weights, *biases, weight_out, bias_out)
-    if fused is not None:
-        why = _layers.why_not_layers(xc, weight_out, fused)
-        if why:
-            options.fallback("cohorts.mixing_stack[fused]", why, to="the linears")
-            fused = None
-    zero = sin0_zero and fused is None
+    kernels = _serving(kernels, precision, xc, FO)
+    kern = None if kernels is None else (_FAMILY[kernels], precision, sin0_zero)
+    zero = sin0_zero and kern is None
     if zero:  # the linears compute on the zeroed column
         xs = _zeroed(xs)
     remake = None
@@ -455,64 +521,11 @@ def mixing_stack(
 
     K, cohort = len(weights), int(cohort_edges)
     if not torch.is_grad_enabled():  # no_grad, inference_mode: nothing to keep
-        y_cos, y_sin, *_ = _forward(
-            xc, xs, params, K, linear, cohort, False, fused, sin0_zero
-        )
+        y_cos, y_sin, *_ = _forward(xc, xs, params, K, linear, cohort, False, kern)
     else:
-        kernels = None if fused is None else (fused, sin0_zero)
         y_cos, y_sin = _CohortStack.apply(
-            xc, xs, linear, cohort, recompute, kernels, remake, K, *params
+            xc, xs, linear, cohort, recompute, kern, remake, K, *params
         )
     return y_cos.reshape(*lead, *y_cos.shape[1:]), y_sin.reshape(
         *lead, *y_sin.shape[1:]
-    )
-
-
-# TEMP-ADAPTER (replaced by the stack split)
-_NAMES = {"fp32": "ieee", "3xtf32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
-
-
-def why_not(kernels, precision, device_type, capability, dtype, F, FO, n_ang):
-    name = _NAMES[precision]
-    if kernels == "fused":
-        return _layers._why_not_stack(
-            device_type, capability, dtype, F, FO, n_ang, name
-        )
-    return _layers._why_not(device_type, dtype, name, F, FO)
-
-
-_old = mixing_stack
-
-
-def mixing_stack(
-    x_cos,
-    x_sin,
-    weights,
-    biases,
-    weight_out,
-    bias_out,
-    linear=None,
-    cohort_edges=COHORT_EDGES,
-    recompute=False,
-    kernels=None,
-    precision="fp32",
-    sin0_zero=False,
-    x_rebuild=None,
-):
-    fused = None
-    if kernels is not None:
-        fused = _NAMES[precision] + ("-stack" if kernels == "fused" else "")
-    return _old(
-        x_cos,
-        x_sin,
-        weights,
-        biases,
-        weight_out,
-        bias_out,
-        linear,
-        cohort_edges,
-        recompute,
-        fused,
-        sin0_zero,
-        x_rebuild,
     )

@@ -1,7 +1,7 @@
 """The layer kernels: one Triton kernel per layer of the mixing stack each way, its
 gate, bias and residual in the epilogue, and how a cohort's planes run through them.
 
-Formula (per edge e, order m, cos and sin alike; ``ecekern.cohorts.layers``)::
+Formula (per edge e, order m, cos and sin alike; :mod:`ecekern.stack_layers`)::
 
     forward:   z = W[m] u (+ b at m = 0, cos);  out = u + gate(z)  (or z, ungated)
     backward:  du = W[m]^T d (+ r);  dz = gate'(z) du
@@ -15,27 +15,30 @@ accumulator before it is stored; nothing of a layer is written twice.
 
 Shapes: planes ``(n_ang, 2, n, width)`` (order, cos/sin, edge, feature) in and out,
 any order and part strides, rows contiguous; ``W (n_ang, F_out, F_in)`` contiguous
-(W^T for the backward; ``(2, ...)`` split by :func:`split_tf32` in ``"tf32x3"``).
+(W^T for the backward; ``(2, ...)`` split by
+``ecekern._stack_common.split_tf32`` in ``"tf32x3"``).
 
-Bytes (DRAM) and FLOPs: the stack's, in ``ecekern.cohorts.layers``.
+Bytes (DRAM) and FLOPs: the stack's, in :mod:`ecekern.stack_layers`.
 
-Precision: ``tl.dot``'s ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``,
+Precision (the kernels' names, ``ecekern._stack_common.kernel_precision``):
+``tl.dot``'s ``"ieee"`` (strict fp32 FMA, and float64), ``"tf32"``,
 ``"tf32x3"`` (``hi lo + lo hi + hi hi``: W split once a call, the rows split in
 registers, each inner chunk summed from zero and added to the accumulator in fp32)
 and ``"bf16"`` (operands rounded to bfloat16, fp32 accumulation).
 
 Status: tested against the reference in float64 (Triton's CPU interpreter) and
-float32 (the H200), through ``ecekern.cohorts.layers``.
+float32 (the H200), through :mod:`ecekern.stack_layers`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._stack_common import planes as _planes
+from .._stack_common import split_tf32
 from .._triton import INTERPRET, tl, triton
-from .planes import _planes
 
-__all__ = ["TILES", "split_tf32"]
+__all__ = ["TILES"]
 
 #: Edges and output features a program, inner-product chunk, warps and pipeline
 #: depth, per precision (H200 sweep, chapter 6).
@@ -76,7 +79,7 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
         DT: tl.constexpr, SLO: tl.constexpr = 0):  # fmt: skip
     """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]``, rows ``a + row[e] KIN``, with
     ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous). In ``"tf32x3"``
-    A is its TF32 part, and ``w + SLO`` the remainder (:func:`split_tf32`)."""
+    A is its TF32 part, and ``w + SLO`` the remainder (``split_tf32``)."""
     kk = tl.arange(0, BK)
     n = n0 + tl.arange(0, BN)
     acc = tl.zeros((BE, BN), DT)
@@ -211,19 +214,6 @@ def _launch(kernel, E: int, NOUT: int, precision: str, tiles, *args, **meta):
     grid = (triton.cdiv(E, BE) * (NOUT // BN),)
     kernel[grid](*args, E, NOUT=NOUT, BE=BE, BN=BN, BK=BK, PREC=precision,
                  num_warps=warps, num_stages=stages, **meta)  # fmt: skip
-
-
-def split_tf32(w: torch.Tensor) -> torch.Tensor:
-    """``(2, *w.shape)``: w rounded to TF32 (nearest, ties to even) and the
-    remainder ``w - hi`` (exact in fp32), contiguous; the weights' form in
-    ``"tf32x3"``, split once a call instead of in every program (float32 only;
-    finite values: an infinite weight has no TF32 remainder)."""
-    if w.dtype != torch.float32:
-        raise TypeError(f"split_tf32 takes float32 weights, got {w.dtype}")
-    b = w.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    b = (b + 0xFFF + ((b >> 13) & 1)) & 0xFFFFE000
-    hi = torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
-    return torch.stack((hi, w.detach() - hi))
 
 
 def _weights(ws, precision: str):

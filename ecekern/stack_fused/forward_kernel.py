@@ -1,9 +1,9 @@
 """The fused stack's forward kernel, and the gated layers that the recomputing
-backward (:mod:`ecekern.cohorts.fused`) runs again: one kernel per tile of edges,
+backward (:mod:`.backward_kernel`) runs again: one kernel per tile of edges,
 the tile on chip, on the tensor cores (Gluon, Hopper ``wgmma``) or, in strict fp32,
 on the FMA units.
 
-Formula (``ecekern.cohorts.layers``; per edge e, order m, cos and sin alike)::
+Formula (:mod:`ecekern.stack_fused`; per edge e, order m, cos and sin alike)::
 
     u_0 = x;  z_k = W_k[m] u_(k-1) (+ b_k at m = 0, cos);  u_k = u_(k-1) + gate(z_k)
     y = W_out[m] u_K (+ b_out at m = 0, cos)
@@ -12,7 +12,7 @@ A program owns a tile of 32 edges at a time: 64 rows per order, the 32 cos rows 
 the 32 sin rows, one ``wgmma`` row block. Its state u, ``3 x 64 x F`` fp32 (147 KB
 at F = 192), stays in shared memory through every layer; the weights stream through
 a ring of ``[64, BK]`` boxes by TMA, from L2 (every program reads all of them, once
-a tile), three K steps in flight (:mod:`~ecekern.cohorts.fused_ring`). For each
+a tile), three K steps in flight (:mod:`.ring`). For each
 layer and order the tile's rows meet the box of each 64 outputs, BK inputs at a
 time: on the tensor cores from registers (the A operand), two warpgroups each taking
 half of every box's outputs; on the FMA units from shared memory, four inputs at a
@@ -36,14 +36,17 @@ F' = F/2 (2.9 with ``sin0``); y only, ``1 + F'/F``: 1.5 (1.25). L2: all the weig
 once a tile. FLOPs: ``4 n_ang (K F^2 + F' F) n``, the m = 0 sin rows included;
 three times that on the tensor cores in 3xTF32.
 
-Status: launched by :func:`ecekern.cohorts.fused.forward` (n_ang = 3, F = 192,
+Status: launched by ``ecekern.stack_fused.launch.forward`` (n_ang = 3, F = 192,
 F' = 96, sm_90); its gated layers also run in the recomputing backward kernel.
 """
 
 from __future__ import annotations
 
 from .._triton import gl, gluon
-from .fused_ring import (
+from .ring import (
+    F_K,
+    FO_K,
+    TILE_K,
     _acc_layout,
     _chunk,
     _fold,
@@ -55,9 +58,6 @@ from .fused_ring import (
     _retire,
     _ring,
 )
-
-if gluon is not None:
-    pass
 
 __all__ = ["WARPS"]
 
@@ -86,9 +86,9 @@ def _sigmoid(p):
 @_jit
 def _rows(e0, E, layout: gl.constexpr):
     """Row r of a tile: part ``r // 32`` (0 cos, 1 sin) of edge ``e0 + r % 32``."""
-    r = gl.arange(0, 64, layout=layout)
-    edge = e0 + r % 32
-    return r // 32, edge, edge < E
+    r = gl.arange(0, 2 * TILE_K, layout=layout)
+    edge = e0 + r % TILE_K
+    return r // TILE_K, edge, edge < E
 
 
 @_jit
@@ -159,58 +159,52 @@ def _load_x(u_s, x_ptr, sx_m, sx_c, e0, E, SIN0: gl.constexpr, F: gl.constexpr,
 
 
 @_jit
-def _fwd_product(u_s, m, cb, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo, more,
-                 NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-                 NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr,
-                 RB: gl.constexpr, NBOX: gl.constexpr, X3: gl.constexpr,
-                 FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
-                 a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+def _fwd_product(u_s, m, cb, g0, zero, R, W, more, SEQ: gl.constexpr,
+                 NBOX: gl.constexpr, P: gl.constexpr, a_l: gl.constexpr,
+                 b_l: gl.constexpr):  # fmt: skip
     """The tile's rows of order m (u, shared) times a matrix's NBOX boxes of 64
     outputs: the ring sequence's chunks ``cb ..`` (the tile's first at count g0;
-    the sequence's regions as :func:`~.fused_ring._load_w` has them). The
+    the sequence ``SEQ``, the weights ``W`` and the ring ``R`` as
+    :func:`.ring._load_w` has them; ``P = (X3, FMA, BK, STG)``, the products). The
     accumulators, every product done; the forward's strict fp32 sums from zero in
     one chunk."""
+    X3, FMA, BK, STG = P
     KS: gl.constexpr = 64 // BK  # K steps a box of u
     a0, a1, a2 = zero, zero, zero
-    hi = gl.zeros([64, BK], wa.dtype, layout=a_l)
+    hi = gl.zeros([64, BK], W[0].dtype, layout=a_l)
     lo = hi
     for jb in range(3):  # a box of u: 64 inputs, KS K steps
         c0, c1, c2 = _chunk(a0, a1, a2, zero, X3, False)
         for kh in gl.static_range(KS):
             c = cb + KS * jb + kh
             a = _operand(u_s.index(m * 3 + jb).slice(BK * kh, BK, dim=1), a_l, FMA)
-            c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, ring, ready,
-                                        more, wa, wb, wa_lo, wb_lo, NBOX, NCH, NA, KA,
-                                        NBC, KB, NB, RB, X3, FMA, BK, STG, a_l,
+            c0, c1, c2, hi, lo = _kstep(a, hi, lo, c, g0 + c, c0, c1, c2, R, more, W,
+                                        NBOX, SEQ, X3, FMA, BK, STG, a_l,
                                         b_l)  # fmt: skip
         a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, NBOX, X3, False)
     return _retire(a0, a1, a2, hi, lo, NBOX, X3, 0, FMA)
 
 
 @_jit
-def _gated_layer(k: gl.constexpr, u_s, g0, zero, ring, ready, wa, wb, wa_lo, wb_lo,
-                 more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B: gl.constexpr,
-                 ZALL: gl.constexpr, ZEV: gl.constexpr, NCH: gl.constexpr,
-                 NA: gl.constexpr,
-                 KA: gl.constexpr, NBC: gl.constexpr, KB: gl.constexpr,
-                 NB: gl.constexpr, RB: gl.constexpr, X3: gl.constexpr,
-                 FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
-                 acc_l: gl.constexpr, a_l: gl.constexpr,
-                 b_l: gl.constexpr):  # fmt: skip
+def _gated_layer(k: gl.constexpr, u_s, g0, zero, R, W, more, b_ptr, Z, e0, E,
+                 HAS_B: gl.constexpr, ZALL: gl.constexpr, ZEV: gl.constexpr,
+                 SEQ: gl.constexpr, P: gl.constexpr, acc_l: gl.constexpr,
+                 a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
     """Gated layer k on the tile, an order at a time, m = 0 first (its p gates the
-    others): u updated in place, z out (:func:`_fwd_epilogue`). Its W are the ring
-    sequence's matrices ``3 k ..``."""
+    others): u updated in place, z out (:func:`_fwd_epilogue`; ``Z = (z_ptr, sz,
+    ze0)``). Its W are the ring sequence's matrices ``3 k ..`` (``R``, ``W``,
+    ``SEQ``, ``P`` as :func:`_fwd_product` has them)."""
+    z_ptr, sz, ze0 = Z
+    KA: gl.constexpr = SEQ[2]
     for m in range(3):
-        a0, a1, a2 = _fwd_product(u_s, m, (k * 3 + m) * KA, g0, zero, ring, ready,
-                                  wa, wb, wa_lo, wb_lo, more, NCH, NA, KA, NBC, KB,
-                                  NB, RB, 3, X3, FMA, BK, STG, a_l,
-                                  b_l)  # fmt: skip
+        a0, a1, a2 = _fwd_product(u_s, m, (k * 3 + m) * KA, g0, zero, R, W, more,
+                                  SEQ, 3, P, a_l, b_l)  # fmt: skip
         _fwd_epilogue(a0, 0, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      ZEV, 192, acc_l)  # fmt: skip
+                      ZEV, F_K, acc_l)  # fmt: skip
         _fwd_epilogue(a1, 1, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      ZEV, 192, acc_l)  # fmt: skip
+                      ZEV, F_K, acc_l)  # fmt: skip
         _fwd_epilogue(a2, 2, k, m, u_s, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B, ZALL,
-                      ZEV, 192, acc_l)  # fmt: skip
+                      ZEV, F_K, acc_l)  # fmt: skip
         gl.thread_barrier()
 
 
@@ -222,11 +216,15 @@ def _fused_fwd_kernel(
     X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
     SLAB: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    F: gl.constexpr = 192
-    FO: gl.constexpr = 96
-    KA: gl.constexpr = 192 // BK  # K steps a matrix
-    NA: gl.constexpr = K * 3 * KA  # the gated layers' W chunks, [192, BK] each
-    NCH: gl.constexpr = NA + 3 * KA  # and W_out's, [128, BK] (96 rows and past)
+    F: gl.constexpr = F_K
+    FO: gl.constexpr = FO_K
+    KA: gl.constexpr = F // BK  # K steps a matrix
+    NA: gl.constexpr = K * 3 * KA  # the gated layers' W chunks, [F, BK] each
+    NCH: gl.constexpr = NA + 3 * KA  # and W_out's, [128, BK] (F' rows and past)
+    # the weights' sequence (ring._load_w): W, then W_out in two boxes, F' rows each
+    seq: gl.constexpr = (NCH, NA, KA, 3 * KA, KA, 2, FO)
+    prod: gl.constexpr = (X3, FMA, BK, STG)
+    w = (w_desc, wo_desc, wl_desc, wol_desc)
     BF16: gl.constexpr = w_desc.dtype == gl.bfloat16
     acc_l: gl.constexpr = _acc_layout(FMA, BF16, num_warps)
     a_l: gl.constexpr = _operand_layout(acc_l, 0, FMA, BF16)
@@ -235,34 +233,30 @@ def _fused_fwd_kernel(
     # x, y stream through L2; a program's slab of z stays there, a kept z need not
     ZEV: gl.constexpr = "evict_last" if SLAB else "evict_first"
     u_s = gl.allocate_shared_memory(gl.float32, [9, 64, 64], BOX)
-    ring, ready = _ring(w_desc, X3, STG, BK)
+    rr = _ring(w_desc, X3, STG, BK)
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
     if SLAB:  # p through the program's own rows of z, a tile at a time
-        z_ptr = z_ptr + pid * (K * 6 * 32 * F)
+        z_ptr = z_ptr + pid * (K * 6 * TILE_K * F)
     for cp in gl.static_range(STG - 1):
-        _load_w(cp, NCH, NA, KA, 3 * KA, KA, 2, 96, w_desc, wo_desc, wl_desc,
-                wol_desc, ring, ready, cp, STG, BK, X3)  # fmt: skip
+        _load_w(cp, seq, w, rr, cp, STG, BK, X3)
     zero = gl.zeros([64, 64], gl.float32, layout=acc_l)
     for it in range(n_mine):
-        e0 = (pid + it * nprog) * 32
+        e0 = (pid + it * nprog) * TILE_K
         more = it + 1 < n_mine
         ze0 = e0 if SLAB else 0
         _load_x(u_s, x_ptr, sx_m, sx_c, e0, E, SIN0, F, ld_l)
         gl.thread_barrier()
         g0 = it * NCH
         for k in gl.static_range(K):
-            _gated_layer(k, u_s, g0, zero, ring, ready, w_desc, wo_desc, wl_desc,
-                         wol_desc, more, b_ptr, z_ptr, sz, ze0, e0, E, HAS_B,
-                         not SLAB, ZEV, NCH, NA, KA, 3 * KA, KA, 2, 96, X3, FMA, BK,
-                         STG, acc_l, a_l, b_l)  # fmt: skip
+            _gated_layer(k, u_s, g0, zero, rr, w, more, b_ptr, (z_ptr, sz, ze0), e0,
+                         E, HAS_B, not SLAB, ZEV, seq, prod, acc_l, a_l,
+                         b_l)  # fmt: skip
         for m in range(3):  # the output layer
-            a0, a1, a2 = _fwd_product(u_s, m, NA + m * KA, g0, zero, ring, ready,
-                                      w_desc, wo_desc, wl_desc, wol_desc, more, NCH,
-                                      NA, KA, 3 * KA, KA, 2, 96, 2, X3, FMA, BK, STG,
-                                      a_l, b_l)  # fmt: skip
+            a0, a1, a2 = _fwd_product(u_s, m, NA + m * KA, g0, zero, rr, w, more, seq,
+                                      2, prod, a_l, b_l)  # fmt: skip
             _out_epilogue(a0, 0, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO, SIN0, FO,
                           acc_l)  # fmt: skip
             _out_epilogue(a1, 1, m, bo_ptr, y_ptr, sy_m, sy_c, e0, E, HAS_BO, SIN0, FO,

@@ -1,14 +1,14 @@
 """The fused stack's weights: made ready once a call on the host, streamed from L2
 through a ring of ``[64, BK]`` boxes in shared memory by TMA, and multiplied a K step
 (BK inputs) at a time on the tensor cores or the FMA units
-(:mod:`ecekern.cohorts.fused` runs it).
+(:mod:`ecekern.stack_fused` runs it).
 
 Formula: one K step adds ``a[:, k0:k0+BK] @ W[n0:n0+64, k0:k0+BK]^T`` to each of a
 tile's accumulators: by IEEE fp32 FMAs (``"ieee"``, a from shared memory); in
 TF32; in bf16 (a rounded in registers, W once a call); or in 3xTF32 as
 ``lo hi + hi lo + hi hi`` with ``a = hi + lo`` split in registers
 (``_round_tf32``) and W split once a call
-(:func:`~ecekern.cohorts.layer_kernels.split_tf32`), the small products first.
+(``ecekern._stack_common.split_tf32``), the small products first.
 
 Shapes: the gated layers' W stacked ``(K 3 F, F)`` (W^T, last layer first, for the
 backward; both, ``(2 K 3 F, F)``, for the backward that recomputes the forward),
@@ -21,7 +21,7 @@ gated layers' twice in the recomputing backward (twice that in 3xTF32, half in
 bf16); 72 KiB of shared memory at ``STAGES = 3`` (36 KiB in
 bf16).
 
-Status: used by :mod:`ecekern.cohorts.fused` (sm_90); compiled for sm_90 without a
+Status: used by :mod:`ecekern.stack_fused` (sm_90); compiled for sm_90 without a
 GPU in the tests, run against fp64 on the H200 through the fused stack's GPU tests.
 """
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .._stack_common import split_tf32
 from .._triton import fma_dot, gl, gluon
-from .layer_kernels import split_tf32
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,21 +43,22 @@ if gluon is not None:
 
 __all__ = [
     "BK",
-    "PRECISIONS",
+    "F_IN",
+    "F_OUT",
+    "N_ANG",
     "STAGES",
+    "TILE",
     "backward_weights",
     "forward_weights",
 ]
 
-#: The shapes the kernels are written for: features, outputs, orders.
-F_IN, F_OUT, N_ANG = 192, 96, 3
-#: The precisions of the products, strict fp32 on the FMA units, or on the tensor
-#: cores TF32, fp32-accurate 3xTF32 (``hi lo + lo hi + hi hi``) or bf16 operands
-#: (rounded to nearest, fp32 sums).
-PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+#: The shapes the kernels are written for: features, outputs, orders, and the edges
+#: of a tile (64 rows of a product: its 32 cos rows over its 32 sin rows).
+F_IN, F_OUT, N_ANG, TILE = 192, 96, 3, 32
 #: Inputs a K step (a box of W is ``[64, BK]``, fp32, or bf16 in bf16) and K steps
-#: of W in flight, per precision: 3xTF32 streams W's TF32 part and remainder, twice
-#: the bytes a step.
+#: of W in flight, per precision (the kernels' names: strict fp32 ``"ieee"`` on the
+#: FMA units, or on the tensor cores TF32, fp32-accurate 3xTF32 ``"tf32x3"`` or bf16
+#: operands): 3xTF32 streams W's TF32 part and remainder, twice the bytes a step.
 BK = {"ieee": 32, "tf32": 32, "tf32x3": 16, "bf16": 32}
 STAGES = 3
 
@@ -70,6 +71,9 @@ def _jit(fn=None, **kw):
 
 #: Host functions the kernels call at compile time (layouts, box counts).
 _constexpr_fn = gluon.constexpr_function if gluon is not None else (lambda fn: fn)
+_cx = gl.constexpr if gluon is not None else (lambda v: v)
+#: The shapes as the kernels read them (constexpr globals).
+F_K, FO_K, TILE_K = _cx(F_IN), _cx(F_OUT), _cx(TILE)
 
 
 # --------------------------------------------------------------------------------------
@@ -79,7 +83,7 @@ _constexpr_fn = gluon.constexpr_function if gluon is not None else (lambda fn: f
 def _acc_layout(FMA, BF16, num_warps):
     """An accumulator ``[64 rows, 64 outputs]``: ``wgmma``'s (K 8 an instruction,
     16 in bf16), or on the FMA units each thread 4 x 4, rows and outputs 16 apart
-    (:func:`~.fused_ring._fma`)."""
+    (:func:`_fma`)."""
     if FMA:
         return gl.BlockedLayout([1, 1], [4, 8], [4, num_warps // 4], [1, 0])
     warps = [4, num_warps // 4]
@@ -247,17 +251,20 @@ def _boxes(desc, lo, row, col, n: gl.constexpr, ring, b, bar, X3: gl.constexpr):
 
 
 @_jit
-def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-            wa, wb, wa_lo, wb_lo, ring, ready, g, STG: gl.constexpr,
-            BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
-    """Chunk c of a tile's NCH into ring stage ``s = g % STG`` as ``[64, BK]``
-    boxes (64 outputs, BK inputs): the first NA chunks from ``wa`` (three boxes
-    each, ``KA`` K steps a matrix of 192 rows), then NBC of ``wb`` (``NB`` boxes,
-    ``KB`` K steps, a matrix every ``RB`` rows), then ``wa``'s from chunk NA on.
-    A matrix is a ``[layer, order]`` block of rows of the descriptor's 2-d view;
-    rows past the view arrive as zeros. In 3xTF32 the remainders (``wa_lo``,
-    ``wb_lo``) follow the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+def _load_w(c, SEQ: gl.constexpr, W, R, g, STG: gl.constexpr, BK: gl.constexpr,
+            X3: gl.constexpr):  # fmt: skip
+    """Chunk c of a tile's weight sequence into ring stage ``s = g % STG`` of
+    ``R = (ring, ready)`` as ``[64, BK]`` boxes (64 outputs, BK inputs). The
+    sequence, ``SEQ = (NCH, NA, KA, NBC, KB, NB, RB)``: NCH chunks, the first NA
+    from ``wa`` (three boxes each, ``KA`` K steps a matrix of F rows), then NBC of
+    ``wb`` (``NB`` boxes, ``KB`` K steps, a matrix every ``RB`` rows), then
+    ``wa``'s from chunk NA on; ``W = (wa, wb, wa_lo, wb_lo)``. A matrix is a
+    ``[layer, order]`` block of rows of the descriptor's 2-d view; rows past the
+    view arrive as zeros. In 3xTF32 the remainders (``wa_lo``, ``wb_lo``) follow
+    the TF32 parts: boxes ``6 s + j`` and ``6 s + 3 + j``."""
+    NCH, NA, KA, NBC, KB, NB, RB = SEQ
+    wa, wb, wa_lo, wb_lo = W
+    ring, ready = R
     s = g % STG
     if X3:
         b = 6 * s
@@ -266,7 +273,7 @@ def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
     bar = ready.index(s)
     if NA + NBC == NCH:  # wa's, then wb's (the forward)
         if c < NA:
-            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (c // KA) * F_K, (c % KA) * BK, 3, ring, b, bar, X3)
         else:
             _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
                    bar, X3)  # fmt: skip
@@ -275,32 +282,29 @@ def _load_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
             _boxes(wb, wb_lo, c // KB * RB, c % KB * BK, NB, ring, b, bar, X3)
         else:
             ca = c - NBC
-            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (ca // KA) * F_K, (ca % KA) * BK, 3, ring, b, bar, X3)
     else:  # wa's, wb's, wa's (the backward that recomputes the forward)
         if c < NA:
-            _boxes(wa, wa_lo, (c // KA) * 192, (c % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (c // KA) * F_K, (c % KA) * BK, 3, ring, b, bar, X3)
         elif c < NA + NBC:
             _boxes(wb, wb_lo, (c - NA) // KB * RB, (c - NA) % KB * BK, NB, ring, b,
                    bar, X3)  # fmt: skip
         else:
             ca = c - NBC
-            _boxes(wa, wa_lo, (ca // KA) * 192, (ca % KA) * BK, 3, ring, b, bar, X3)
+            _boxes(wa, wa_lo, (ca // KA) * F_K, (ca % KA) * BK, 3, ring, b, bar, X3)
 
 
 @_jit
-def _next_w(c, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-            NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-            wa, wb, wa_lo, wb_lo, ring, ready, g, more, STG: gl.constexpr,
+def _next_w(c, SEQ: gl.constexpr, W, R, g, more, STG: gl.constexpr,
             BK: gl.constexpr, X3: gl.constexpr):  # fmt: skip
     """After chunk c (global count g) retired its predecessor: chunk
     ``c + STG - 1`` into the stage that predecessor freed, this tile's or, past
-    its end, the next tile's (if ``more``)."""
+    its end, the next tile's (if ``more``); the sequence as :func:`_load_w`."""
+    NCH: gl.constexpr = SEQ[0]
     if c + STG - 1 < NCH:
-        _load_w(c + STG - 1, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo,
-                ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1, SEQ, W, R, g + STG - 1, STG, BK, X3)
     elif more:
-        _load_w(c + STG - 1 - NCH, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo,
-                wb_lo, ring, ready, g + STG - 1, STG, BK, X3)  # fmt: skip
+        _load_w(c + STG - 1 - NCH, SEQ, W, R, g + STG - 1, STG, BK, X3)
 
 
 @_jit
@@ -317,22 +321,20 @@ def _ring(desc, X3: gl.constexpr, STG: gl.constexpr, BK: gl.constexpr):
 
 
 @_jit
-def _kstep(a, hi, lo, c, g, c0, c1, c2, ring, ready, more, wa, wb, wa_lo, wb_lo,
-           NBOX: gl.constexpr, NCH: gl.constexpr, NA: gl.constexpr, KA: gl.constexpr,
-           NBC: gl.constexpr, KB: gl.constexpr, NB: gl.constexpr, RB: gl.constexpr,
-           X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr, STG: gl.constexpr,
-           a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
-    """K step c of a tile's weight sequence (count g), A operand ``a``: wait for
-    its boxes, issue the products with NBOX of them (:func:`_step`), retire the step
-    before (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the
-    stage that frees (:func:`_next_w`). The accumulators and this step's
-    operands."""
+def _kstep(a, hi, lo, c, g, c0, c1, c2, R, more, W, NBOX: gl.constexpr,
+           SEQ: gl.constexpr, X3: gl.constexpr, FMA: gl.constexpr, BK: gl.constexpr,
+           STG: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """K step c of a tile's weight sequence (``SEQ``, ``W`` as :func:`_load_w` has
+    them; count g), A operand ``a``: wait for its boxes in ``R = (ring, ready)``,
+    issue the products with NBOX of them (:func:`_step`), retire the step before
+    (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the stage
+    that frees (:func:`_next_w`). The accumulators and this step's operands."""
+    ring, ready = R
     mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
     c0, c1, c2, n_hi, n_lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA, BK,
                                    a_l, b_l)  # fmt: skip
     c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NBOX, X3, 1, FMA)
-    _next_w(c, NCH, NA, KA, NBC, KB, NB, RB, wa, wb, wa_lo, wb_lo, ring, ready, g, more,
-            STG, BK, X3)  # fmt: skip
+    _next_w(c, SEQ, W, R, g, more, STG, BK, X3)
     return c0, c1, c2, n_hi, n_lo
 
 
@@ -349,7 +351,7 @@ def _desc(w2d: torch.Tensor, bk: int):
 
 def _descs(w2d: torch.Tensor, precision: str) -> tuple:
     """The descriptors of a weight's TF32 part and remainder (3xTF32, W split by
-    :func:`~ecekern.cohorts.layer_kernels.split_tf32`), or of W twice: fp32 (strict
+    ``ecekern._stack_common.split_tf32``), or of W twice: fp32 (strict
     fp32, TF32), or rounded to bf16 (bf16)."""
     bk = BK[precision]
     if precision == "tf32x3":
