@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import torch
 
 from .. import bench, options
 from ..cohorts import COHORT_EDGES, layers
-from .common import book_config, device, free, parse_parts, run_ncu, run_parts
+from . import schema
+from .common import book_config, free, run_ncu
 
-__all__ = ["capture"]
-
-PARTS = ("stack", "steps", "memory", "precision", "ncu")
+__all__ = ["PARTS"]
 #: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
 COHORTS = (
     ("plain", None, None),
@@ -67,41 +65,13 @@ STACK_RECOMPUTE = tuple((f"stack {p} recompute", name)
                         for name, p in layers.STACKS.items())  # fmt: skip
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "stack,steps,memory,precision,ncu",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 6 (module docstring). On a CPU, ``stack`` runs at a tiny size as a
-    smoke test; ``steps`` and ``memory`` need a GPU."""
-    todo = parse_parts(parts, PARTS)
-    dev = device()
-    info: dict = {"parts": sorted(todo)}
-    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    boxes_ = [int(b) for b in (boxes or "4,8,12,16").split(",")]
-    parts_ = (
-        ("stack", lambda: _stack(out, reps, dev)),
-        ("steps", lambda: _steps(out, reps)),
-        (
-            "memory",
-            lambda: _memory(out, boxes_[:2] if quick else boxes_, todo.get("memory")),
-        ),  # fmt: skip
-        ("precision", lambda: _precision(out)),
-        ("ncu", lambda: _ncu(out, todo.get("ncu")) if ncu else "ncu not asked for"),
-    )
-    gpu_only = ("steps", "memory", "precision", "ncu")
-    run_parts(parts_, todo, info, dev, gpu_only=gpu_only)
-    return info
-
-
-def _ncu(out: Path, which: str | None = None) -> str:
+def _ncu(run, which: str) -> str:
     """Nsight Compute on the layer kernels, forward and force backward, at each
     precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
     stacks, keeping z and recomputing it
     (:func:`~ecekern.captures.targets.cohorts_stack`, ``cohorts_stack_recompute``);
     ``which``: ``"layers"``, ``"stack"`` or ``"recompute"`` for one of them."""
+    out = run.out
     if which not in (None, "", "layers", "stack", "recompute"):
         raise ValueError(f"ncu={which!r}: 'layers', 'stack' or 'recompute'")
     done = []
@@ -129,13 +99,15 @@ def _planes_copy(rows):
     return list(pair)
 
 
-def _stack(out: Path, reps: list[int], dev: str) -> str:
+def _stack(run, arg: str) -> str:
+    """stack.csv (module docstring)."""
     import ecekern
     from ecekern import cohorts, reference
     from ecekern.cohorts.layers import why_not_layers
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
+    out, reps, dev = run.out, run.reps(), run.dev
     cfg = book_config(dev, n_gated=2)
     model = ecekern.ECEModel(cfg).to(dev)
     layer = model.interactions[0]
@@ -169,7 +141,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                 bench.write_csv(rows, out / "stack.csv")
                 continue
 
-            def run(cohort=cohort, recompute=recompute, fused=fused):
+            def fwd_bwd(cohort=cohort, recompute=recompute, fused=fused):
                 x, gy = (xp, gyp) if fused else (x_rows, gy_rows)
                 if cohort is None:
                     y = reference.mixing_stack(
@@ -184,7 +156,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 
-            t = bench.time_fn(run) if dev == "cuda" else None
+            t = bench.time_fn(fwd_bwd) if dev == "cuda" else None
             rows.append(
                 {
                     "stack": label,
@@ -193,7 +165,7 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     "fwd_bwd_ms": t.median if t else float("nan"),
                     "fwd_bwd_p10_ms": t.p10 if t else float("nan"),
                     "fwd_bwd_p90_ms": t.p90 if t else float("nan"),
-                    "peak_MiB": bench.peak_memory(run) / 2**20,
+                    "peak_MiB": bench.peak_memory(fwd_bwd) / 2**20,
                     **bench.provenance(torch.float32),
                 }
             )
@@ -244,7 +216,9 @@ MEMORY_CASES = (
 )
 
 
-def _steps(out: Path, reps: list[int]) -> str:
+def _steps(run, arg: str) -> str:
+    """steps.csv (step schema, with ``cohort_edges``): every case of
+    :data:`STEP_CASES`, eager and replayed."""
     import ecekern
     from ecekern.model import prepare_inputs
 
@@ -252,26 +226,18 @@ def _steps(out: Path, reps: list[int]) -> str:
 
     cfg = book_config("cuda", n_gated=2)
     rows = []
-    for rep in reps:
+    for rep in run.reps():
         inputs = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
         model = ecekern.ECEModel(cfg).to("cuda")
-        for replay in (False, True):
+        for mode in schema.MODES:
             for label, kw in STEP_CASES:
-                with options.use(**kw) as now:
-                    row = force_row(
-                        label, model, inputs, torch.float32,
-                        forward=False, key="stack", replay=replay,
-                    )  # fmt: skip
-                c = kw.get("cohort_edges", "")
-                row = {"cohort_edges": c, "replay": replay, **row}
-                row = {**row, "options_repr": repr(now)}
-                rows.append(row)
-                print(f"steps {label} c={c} replay={replay} {row['n_atoms']}: "
-                      f"{row['step_ms']:.1f} ms, {row.get('peak_mem_MiB')}",
-                      flush=True)  # fmt: skip
-                bench.write_csv(rows, out / "steps.csv")
+                with options.use(**kw):
+                    c = kw.get("cohort_edges", "")
+                    rows.append(force_row(label, model, inputs, schema.plan(kw), mode,
+                                          cohort_edges=c))  # fmt: skip
+                schema.write(rows, run.out / "steps.csv")
                 free()
         model = inputs = None
         free()
@@ -309,7 +275,7 @@ def _tether_calculator(model, anchor, device="cuda"):
     return SumCalculator([ECECalculator(model, device=device), Tether()])
 
 
-def _precision(out: Path, rep: int = 4) -> str:
+def _precision(run, arg: str, rep: int = 4) -> str:
     """Forces and energies of fp32 and TF32 against fp64 (the same weights), and
     NVE energy drift over ``NVE_FS`` with the ASE calculator."""
     import copy
@@ -321,6 +287,7 @@ def _precision(out: Path, rep: int = 4) -> str:
 
     import ecekern
 
+    out = run.out
     cfg = book_config("cuda", n_gated=2)
     torch.manual_seed(0)
     m64 = ecekern.ECEModel(cfg).double().to("cuda")
@@ -398,11 +365,14 @@ def _precision(out: Path, rep: int = 4) -> str:
     return "done"
 
 
-def _memory(out: Path, boxes: list[int], only: str | None = None) -> dict:
-    """``only``: the cases whose label starts so (``memory=stack``)."""
+def _memory(run, only: str) -> dict:
+    """memory.csv (module docstring); ``only``: the cases whose label starts so
+    (``memory=stack``)."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
+    boxes = [int(b) for b in (run.boxes or "4,8,12,16").split(",")]
+    boxes, out = boxes[:2] if run.quick else boxes, run.out
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
@@ -418,19 +388,19 @@ def _memory(out: Path, boxes: list[int], only: str | None = None) -> dict:
                 row |= {"n_atoms": inputs[0].shape[0], "n_edges": inputs[2].n_edges}
                 with options.use(**kw):
                     peak = bench.peak_memory(lambda: force_step(model, *inputs))
-                row["peak_mem_MiB"] = peak / 2**20
+                row["peak_MiB"] = peak / 2**20
                 largest[label] = row["n_atoms"]
             except torch.cuda.OutOfMemoryError as e:
-                row["peak_mem_MiB"] = "out of memory"
+                row["peak_MiB"] = "out of memory"
                 row["oom_detail"] = _oom_detail(str(e))
             inputs = None
             free()
             alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
             rows.append({**row, "alloc_conf": alloc, **bench.provenance(torch.float32)})
-            print(f"memory {label} repeats={rep}: {row['peak_mem_MiB']}",
+            print(f"memory {label} repeats={rep}: {row['peak_MiB']}",
                   flush=True)  # fmt: skip
             bench.write_csv(rows, out / "memory.csv")
-            if row["peak_mem_MiB"] == "out of memory":
+            if row["peak_MiB"] == "out of memory":
                 break
     return {"largest box (atoms)": largest}
 
@@ -445,3 +415,13 @@ def _oom_detail(message: str) -> str:
     )
     found = ((k, re.search(p, message)) for k, p in pats)
     return "; ".join(f"{k} {m.group(1)}" for k, m in found if m) or message[:120]
+
+
+PARTS = {
+    "stack": _stack,
+    "steps": _steps,
+    "memory": _memory,
+    "precision": _precision,
+    "ncu": _ncu,
+}
+GPU_ONLY = ("steps", "memory", "precision", "ncu")
