@@ -402,7 +402,7 @@ def _memory(run, only: str) -> dict:
             bench.write_csv(rows, out / "memory.csv")
             if row["peak_MiB"] == "out of memory":
                 break
-    return {"largest box (atoms)": largest}
+    return {"memory": {"largest box (atoms)": largest}}
 
 
 def _oom_detail(message: str) -> str:

@@ -219,7 +219,7 @@ def _audit(run, arg: str) -> dict:
         [{**r, "n_atoms": inputs[0].shape[0], **bench.provenance(torch.float32)}
          for r in rows], out / "audit.csv",
     )  # fmt: skip
-    return info
+    return {"audit": info}
 
 
 def _sync_debug(fn) -> str:
