@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import bench
-from . import schema
+from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
     "LaunchCase",
@@ -40,33 +40,12 @@ __all__ = [
     "step_error",
 ]
 
-NCU_METRICS_BASIC = [
-    "gpu__time_duration.sum",
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "lts__t_bytes.sum",
-    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-]
-#: Shared-memory bank conflicts and instruction counts (tried first, dropped if this
-#: ncu does not know them)
-NCU_COUNTERS = [
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
-    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
-    "smsp__inst_executed.sum",
-    "smsp__inst_executed_pipe_fma.sum",
-    "l1tex__throughput.avg.pct_of_peak_sustained_active",
-    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
-    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
-    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
-    "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum",
-    "launch__registers_per_thread",
-]
+#: What Nsight Compute is asked for: the metrics the loader reads
+#: (:data:`ecekern.captures.NCU_COLUMNS`, L2 bytes), the stall reasons, and the
+#: counters (:data:`ecekern.captures.NCU_COUNTS`: tried first, dropped if this ncu
+#: does not know them).
+NCU_METRICS_BASIC = [*NCU_COLUMNS, "lts__t_bytes.sum"]
+NCU_COUNTERS = list(NCU_COUNTS)
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
     for r in (
