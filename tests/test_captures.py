@@ -262,7 +262,8 @@ def test_a_part_run_merges_into_the_chapter_manifest(tmp_path, toy_chapter):
     with tarfile.open(tmp_path / "captures.tar.gz") as tar:
         assert "methodology/a.csv" in tar.getnames()
     toy_chapter.PARTS["b"] = lambda r, arg: 1 / 0  # a part that fails says so
-    assert runner.main(args) == 0 and read()["b"].startswith("failed: ZeroDivision")
+    assert runner.main(args) == 1 and read()["b"].startswith("failed: ZeroDivision")
+    assert read()["runs"][-1]["status"] == "partial"
 
 
 def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, toy_chapter):

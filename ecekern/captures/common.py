@@ -197,6 +197,8 @@ def force_row(
     from ..model import force_step
 
     pos, numbers, graph = inputs
+    if step is not None and mode == "replay":
+        raise ValueError("a replay is of the force step: no other step")
     peak = None
     if mode == "replay":
         holder = {}

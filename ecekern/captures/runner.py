@@ -10,9 +10,10 @@ order they run, each ``part(run: Run, arg: str) -> note`` (``arg``: what followe
 ``--parts``, all of them otherwise), ``GPU_ONLY`` (parts skipped, and said so,
 without a GPU) and ``notes(run) -> dict`` (the manifest's notes before any part
 runs). A part's note goes into the manifest under its name (a dict note is merged
-into the manifest); a part that raises is ``"failed: ..."`` there and the rest
-still run. ``--parts`` runs some parts and merges their notes into the chapter's
-existing manifest (:func:`merge_part_run`). A run stopped by SIGTERM (a ``timeout``)
+into the manifest); a part that raises is ``"failed: ..."`` there, the rest still
+run, and the manifest's status is ``"partial"`` (the command's exit status 1).
+``--parts`` runs some parts and merges their notes into the chapter's existing
+manifest (:func:`merge_part_run`). A run stopped by SIGTERM (a ``timeout``)
 still writes what it has: its manifest says ``"interrupted"`` and the rows written
 so far travel in the archive.
 """
@@ -180,7 +181,10 @@ def main(argv=None) -> int:
             info = run_chapter(
                 name, d, args.quick, not args.no_ncu, args.parts, args.boxes
             )
-            status = "ok"
+            broken = [p for p in info["parts"] if str(info.get(p)).startswith("fail")]
+            status = "partial" if broken else "ok"
+            if broken:
+                failed.append(name)
         except Interrupted:
             info, status = {}, "interrupted"
             failed.append(name)
