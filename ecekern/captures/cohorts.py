@@ -244,6 +244,13 @@ def _steps(run, arg: str) -> str:
     return "done"
 
 
+#: The precision study's cases: (label, TF32, options); fp64 is the truth.
+PRECISION_CASES = (
+    ("fp64", False, {}),
+    ("fp32", False, {"cohorts": True, "cohort_fused": "off"}),
+    ("tf32", True, {"cohorts": True, "cohort_fused": "off"}),
+    *((label, False, {"cohorts": True, "cohort_fused": p}) for label, p in FUSED[1:]),
+)
 #: The precision study's settings: rattles (A), NVE time step (fs) and length (fs).
 RATTLES = (0.05, 0.25)
 NVE_DT_FS, NVE_FS = 1.0, 1000.0
@@ -292,12 +299,9 @@ def _precision(run, arg: str, rep: int = 4) -> str:
     torch.manual_seed(0)
     m64 = ecekern.ECEModel(cfg).double().to("cuda")
     m32 = copy.deepcopy(m64).float()
-    fused = lambda p: {"cohorts": True, "cohort_fused": p}  # noqa: E731
-    cases = (
-        ("fp64", m64, False, {}),
-        ("fp32", m32, False, fused("off")),
-        ("tf32", m32, True, fused("off")),
-        *((label, m32, False, fused(p)) for label, p in FUSED[1:]),
+    cases = tuple(
+        (label, m64 if label == "fp64" else m32, tf32, opts)
+        for label, tf32, opts in PRECISION_CASES
     )
     rows, nve = [], []
     for rattle in RATTLES:

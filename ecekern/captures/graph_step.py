@@ -37,6 +37,8 @@ __all__ = ["PARTS", "unpack_indexed", "unpack_masked"]
 
 #: The option sets the audit and the steps run under.
 PATHS = {"defaults": {}, "reference": {"reference": True}}
+#: The audit's defaults in Triton's interpreter (no GPU): the fast paths it runs.
+CPU_DEFAULTS = {"edge_frame": "packed", "zonal": "fused"}
 #: The replays' headrooms: the library's default first, then none (capacity = E,
 #: rounded up to the quantum), then the headroom of a first draft (25 %).
 HEADROOMS = (None, 1.0, 1.25)
@@ -199,7 +201,7 @@ def _audit(run, arg: str) -> dict:
     rows, info = [], {}
     for label, opts in PATHS.items():
         if dev != "cuda" and label == "defaults":
-            opts = {"edge_frame": "packed", "zonal": "fused"}  # the interpreter
+            opts = CPU_DEFAULTS
         with options.use(**opts):
             force_step(model, *inputs)  # compiles, checks the species, fills caches
             with HostSyncAudit() as audit:
