@@ -10,7 +10,7 @@ INTERPRET = __import__("ecekern._triton")._triton.INTERPRET
 ROOT = captures.capture_root()
 #: The committed step-timing CSVs (step schema) and kernel-timing CSVs (kernel schema).
 STEP_CSVS = ("force_step", "peers", "scaling", "progress", "model_steps", "steps")
-KERNEL_CSVS = ("ceilings",)
+KERNEL_CSVS = ("ceilings", "stack")
 
 
 def _header(path):
@@ -53,9 +53,11 @@ def test_every_step_csv_has_the_step_schema():
         assert head[: len(schema.KERNEL_COLUMNS) - 1] == list(
             schema.KERNEL_COLUMNS[:-1]
         )
-        schema.check(
-            captures.load(path.parent.name).csv(path.stem), schema.KERNEL_COLUMNS
-        )
+        rows = captures.load(path.parent.name).csv(path.stem)
+        schema.check(rows, schema.KERNEL_COLUMNS)
+        for r in rows:
+            assert r["provenance"]["device"] == "NVIDIA H200", path
+            assert r["p10"] <= r["ms"] <= r["p90"] and r["n"] > 0, (path, r)
 
 
 def test_no_capture_names_peak_memory_twice():
@@ -548,5 +550,5 @@ def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     labels = [c[0] for c in cohorts.COHORTS] + [f[0] for f in cohorts.FUSED]
     labels.append(cohorts.FUSED_RECOMPUTE[0])
     labels += [f[0] for f in cohorts.STACK_RECOMPUTE]
-    assert [r["stack"] for r in rows] == labels
+    assert [r["kernel"] for r in rows] == labels
     assert all("multiples of 16" in r["note"] for r in rows[len(cohorts.COHORTS) :])

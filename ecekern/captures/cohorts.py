@@ -99,8 +99,13 @@ def _planes_copy(rows):
     return list(pair)
 
 
+#: What a row of stack.csv times (its ``n``: the edges).
+PROBLEM = "one layer's stack, forward + input backward"
+
+
 def _stack(run, arg: str) -> str:
-    """stack.csv (module docstring)."""
+    """stack.csv (kernel schema, with ``cohort_edges`` and ``peak_MiB``; module
+    docstring)."""
     import ecekern
     from ecekern import cohorts, reference
     from ecekern.cohorts.layers import why_not_layers
@@ -137,8 +142,9 @@ def _stack(run, arg: str) -> str:
         for label, cohort, recompute, fused in cases:
             why = fused and why_not_layers(x_rows[0], layer.out.weight, fused)
             if why:  # the interpreter's tiny model: widths without a factor 16
-                rows.append({"stack": label, "n_edges": E, "note": why})
-                bench.write_csv(rows, out / "stack.csv")
+                row = schema.kernel_row(label, PROBLEM, E, "float32", None, note=why)
+                rows.append({**row, "cohort_edges": cohort or ""})
+                schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
                 continue
 
             def fwd_bwd(cohort=cohort, recompute=recompute, fused=fused):
@@ -157,21 +163,13 @@ def _stack(run, arg: str) -> str:
                 return torch.autograd.grad(y, x, gy)
 
             t = bench.time_fn(fwd_bwd) if dev == "cuda" else None
-            rows.append(
-                {
-                    "stack": label,
-                    "cohort_edges": cohort or "",
-                    "n_edges": E,
-                    "fwd_bwd_ms": t.median if t else float("nan"),
-                    "fwd_bwd_p10_ms": t.p10 if t else float("nan"),
-                    "fwd_bwd_p90_ms": t.p90 if t else float("nan"),
-                    "peak_MiB": bench.peak_memory(fwd_bwd) / 2**20,
-                    **bench.provenance(torch.float32),
-                }
-            )
-            print(f"stack {rows[-1]['stack']} {cohort} E={E}: "
-                  f"{rows[-1]['fwd_bwd_ms']:.2f} ms", flush=True)  # fmt: skip
-            bench.write_csv(rows, out / "stack.csv")
+            peak = bench.peak_memory(fwd_bwd) / 2**20
+            c = cohort or ""
+            row = schema.kernel_row(label, PROBLEM, E, "float32", t, cohort_edges=c)
+            rows.append({**row, "peak_MiB": peak})
+            print(f"stack {label} {cohort} E={E}: {t.median if t else 0:.2f} ms",
+                  flush=True)  # fmt: skip
+            schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
             free()
     return "done"
 

@@ -31,7 +31,7 @@ def _ceilings(run, arg: str) -> str:
             t = bench.time_fn(fn)
             problem = f"{nbytes / 2**20:.0f} MiB"
             rows.append(schema.kernel_row(kind, problem, nbytes // 4, "float32", t,
-                                          2 * nbytes))  # fmt: skip
+                                          2 * nbytes, 0))  # fmt: skip
         del src, dst
         free()
     n = 4096 if run.quick else 8192

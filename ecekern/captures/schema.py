@@ -90,13 +90,19 @@ def step_row(system, n_atoms, n_edges, mode, precision, plan_, t, peak_bytes, **
     }  # fmt: skip
 
 
-def kernel_row(kernel, problem, n, precision, t, nbytes=0, flops=0, **extra) -> dict:
-    """A kernel row: ``t`` a :class:`~ecekern.bench.Timing`; GB/s and TFLOP/s over
-    its median."""
+def kernel_row(kernel, problem, n, precision, t, nbytes=None, flops=None, **extra):
+    """A kernel row: ``t`` a :class:`~ecekern.bench.Timing` (None: not timed);
+    GB/s and TFLOP/s over its median where ``nbytes`` and ``flops`` are given."""
+
+    def rate(x, scale):
+        return "" if x is None or t is None else x / t.median / scale
+
     return {
         "kernel": kernel, "problem": problem, "n": n, "precision": precision,
-        "ms": t.median, "p10": t.p10, "p90": t.p90, "bytes": nbytes, "flops": flops,
-        "GBps": nbytes / t.median / 1e6, "TFLOPs": flops / t.median / 1e9,
+        "ms": t.median if t else "", "p10": t.p10 if t else "",
+        "p90": t.p90 if t else "", "bytes": "" if nbytes is None else nbytes,
+        "flops": "" if flops is None else flops,
+        "GBps": rate(nbytes, 1e6), "TFLOPs": rate(flops, 1e9),
         **extra, "provenance": provenance(),
     }  # fmt: skip
 
