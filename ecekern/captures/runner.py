@@ -165,51 +165,51 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from ..bench import provenance
-
     if not torch.cuda.is_available() and not args.cpu:
         print("captures need a CUDA GPU (--cpu: a smoke test)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    failed = []
-    signal.signal(signal.SIGTERM, _interrupt)
-    for name in args.chapters:
-        d = out / name
-        d.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        try:
-            info = run_chapter(
-                name, d, args.quick, not args.no_ncu, args.parts, args.boxes
-            )
-            broken = [p for p in info["parts"] if str(info.get(p)).startswith("fail")]
-            status = "partial" if broken else "ok"
-            if broken:
-                failed.append(name)
-        except Interrupted:
-            info, status = {}, "interrupted"
-            failed.append(name)
-        except Exception:
-            traceback.print_exc()
-            info, status = {}, "failed"
-            failed.append(name)
-        command = "python -m ecekern.captures " + " ".join(argv or sys.argv[1:])
-        manifest = {
-            "chapter": name,
-            "status": status,
-            "quick": args.quick,
-            "seconds": round(time.time() - t0, 1),
-            "provenance": provenance(command=command),
-            "files": sorted(p.name for p in d.iterdir() if p.name != "manifest.json"),
-            **info,
-        }
-        if args.parts:
-            manifest = merge_part_run(d / "manifest.json", manifest, args.parts)
-        (d / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        print(f"[captures] {name}: {status} in {manifest['seconds']} s", flush=True)
+    command = "python -m ecekern.captures " + " ".join(argv or sys.argv[1:])
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        statuses = [_capture(name, out / name, args, command) for name in args.chapters]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     with tarfile.open(out / "captures.tar.gz", "w:gz") as tar:
         for name in args.chapters:
             tar.add(out / name, arcname=name)
-    return 1 if failed else 0
+    return 0 if all(st == "ok" for st in statuses) else 1
+
+
+def _capture(name: str, d: Path, args, command: str) -> str:
+    """One chapter of :func:`main` into ``d``, its manifest written; its status."""
+    from ..bench import provenance
+
+    d.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        info = run_chapter(name, d, args.quick, not args.no_ncu, args.parts, args.boxes)
+        broken = [p for p in info["parts"] if str(info.get(p)).startswith("fail")]
+        status = "partial" if broken else "ok"
+    except Interrupted:
+        info, status = {}, "interrupted"
+    except Exception:
+        traceback.print_exc()
+        info, status = {}, "failed"
+    manifest = {
+        "chapter": name,
+        "status": status,
+        "quick": args.quick,
+        "seconds": round(time.time() - t0, 1),
+        "provenance": provenance(command=command),
+        "files": sorted(p.name for p in d.iterdir() if p.name != "manifest.json"),
+        **info,
+    }
+    if args.parts:
+        manifest = merge_part_run(d / "manifest.json", manifest, args.parts)
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(f"[captures] {name}: {status} in {manifest['seconds']} s", flush=True)
+    return status
 
 
 class Interrupted(BaseException):
