@@ -52,6 +52,7 @@ NCU_ORDER = (
 
 
 def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch."""
     from .. import edge_frame
 
     return {"launch": repr(edge_frame.EdgeFrameLaunch())}

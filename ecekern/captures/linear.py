@@ -53,6 +53,7 @@ PRECISIONS = {
 
 
 def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch table."""
     from ..linear import plan
 
     return {"library_launch": {k: repr(v) for k, v in plan.LAUNCH.items()}}

@@ -52,6 +52,7 @@ def launch_label(launch) -> str:
 
 
 def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch."""
     from .. import zonal
 
     return {"config": launch_label(zonal.ZonalLaunch())}
