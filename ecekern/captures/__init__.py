@@ -1,8 +1,9 @@
 """Captures: what a GPU run measured, stored in ``book/captures/<chapter>/``.
 
-A capture folder holds benchmark CSVs (one schema, provenance on every row),
-``torch.profiler`` tables, Nsight Compute metric CSVs and a ``manifest.json``. One
-command regenerates a chapter's captures on a GPU and packs them as one archive::
+A capture folder holds benchmark CSVs (step timings and kernel timings in the
+schemas of :mod:`.schema`, provenance on every row), ``torch.profiler`` tables,
+Nsight Compute metric CSVs and a ``manifest.json``. One command regenerates a
+chapter's captures on a GPU and packs them as one archive (:mod:`.runner`)::
 
     python -m ecekern.captures methodology 01_reference --out /tmp/caps
 
@@ -45,6 +46,13 @@ def _num(v: str):
     return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
 
 
+def _row(r: dict) -> dict:
+    out = {k: _num(v) for k, v in r.items()}
+    if str(r.get("provenance", "")).startswith("{"):
+        out["provenance"] = json.loads(r["provenance"])
+    return out
+
+
 class Capture:
     """One chapter's capture folder."""
 
@@ -55,9 +63,10 @@ class Capture:
         self.manifest = json.loads((self.path / "manifest.json").read_text())
 
     def csv(self, name: str) -> list[dict]:
-        """Rows of ``<name>.csv`` as dicts, numbers converted."""
+        """Rows of ``<name>.csv`` as dicts, numbers converted; a ``provenance``
+        column (JSON, :func:`.schema.provenance`) as a dict."""
         with (self.path / f"{name}.csv").open(newline="") as fh:
-            return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+            return [_row(r) for r in csv.DictReader(fh)]
 
     def text(self, name: str) -> str:
         return (self.path / name).read_text()
@@ -120,15 +129,6 @@ PROGRESS_PEERS = (
     "e3nn TP conv (NequIP-style)",
     "cuEquivariance TP conv (NequIP-style)",
 )
-_PROGRESS_KEYS = (
-    "n_atoms",
-    "n_edges",
-    "dtype",
-    "step_ms",
-    "peak_mem_MiB",
-    "device",
-    "commit",
-)
 
 
 def _with_ratios(rows: list[dict], is_reference, is_peer) -> list[dict]:
@@ -150,82 +150,34 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     """The progress table: the force step (energy + forces) after each chapter, the
     library's defaults and the peers, at 512 and 4096 atoms, strict fp32 and TF32.
 
-    From chapter 1's ``progress.csv`` (one run of every row) where the capture has
-    it: rows in the table's order (:data:`PROGRESS_ROWS`) by size, then precision;
-    rows that failed are left out. Each row: ``system`` (and ``chapter``, the same
-    label), ``n_atoms``, ``n_edges``, ``dtype``, ``step_ms``, ``peak_mem_MiB``,
-    ``vs_reference``, ``vs_fastest_peer``, ``device``, ``commit``. Without it, from
-    the chapters' older captures: strict fp32, and where a chapter's win is on the
-    tensor cores, its TF32 row beside the reference's TF32 row (``dtype`` says
-    which)."""
+    From chapter 1's ``progress.csv`` (one run of every row, step schema): rows in
+    the table's order (:data:`PROGRESS_ROWS`) by size, then precision; rows that
+    failed are left out. Each row: ``system`` (and ``chapter``, the same label),
+    ``n_atoms``, ``n_edges``, ``dtype`` (the row's ``precision``), ``step_ms``
+    (``ms``), ``peak_mem_MiB`` (``peak_MiB``), ``vs_reference``,
+    ``vs_fastest_peer``, ``device``, ``commit`` (from its provenance)."""
     base = Path(root) if root else capture_root()
-    ref = load("01_reference", base / "01_reference")
-    if "progress.csv" in ref.files():
-        rows = []
-        for r in ref.csv("progress"):
-            if r.get("error") or r.get("step_ms") in ("", None):
-                continue
-            label = r["system"]
-            rows.append(
-                {"system": label, "chapter": label}
-                | {k: r.get(k, "") for k in _PROGRESS_KEYS}
-            )
-
-        def order(r):
-            known = r["system"] in PROGRESS_ROWS
-            i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
-            return (r["n_atoms"], r["dtype"] != "float32", i)
-
-        return _with_ratios(
-            sorted(rows, key=order),
-            lambda r: r["system"] == "reference",
-            lambda r: r["system"] in PROGRESS_PEERS,
-        )
-    return _with_ratios(
-        _progress_rows_before(base, ref),
-        lambda r: r["chapter"] == "1. einsum reference",
-        lambda r: r["chapter"].startswith("peer: "),
-    )
-
-
-def _progress_rows_before(base: Path, ref: Capture) -> list[dict]:
-    """The progress table from the chapters' own captures (before progress.csv)."""
     rows = []
-    peers = ref.csv("peers") if "peers.csv" in ref.files() else []
-    for r in ref.csv("force_step") + peers:
-        if r["dtype"] != "float32":
+    for r in load("01_reference", base / "01_reference").csv("progress"):
+        if r.get("error") or r["ms"] in ("", None):
             continue
-        label = {"reference": "1. einsum reference"}.get(
-            r["model"], "peer: " + r["model"]
-        )
-        rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
-    p2 = base / "02_linear"
-    if (p2 / "model_steps.csv").exists():
-        labels = {
-            ("dense", "float32"): "2. dense block-diagonal GEMM",
-            ("triton", "float32"): "2. Triton path, Gluon FMA forward (auto)",
-            ("einsum", "float32+tf32"): "1. einsum reference",
-            ("dense", "float32+tf32"): "2. dense block-diagonal GEMM (auto)",
-        }
-        for r in load("02_linear", p2).csv("model_steps"):
-            label = labels.get((r["path"], r["dtype"]))
-            if label:
-                rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
-    p5 = base / "05_zonal"
-    if (p5 / "model_steps.csv").exists():
-        for r in load("05_zonal", p5).csv("model_steps"):
-            if r["kind"] == "force step" and r["scatter"] == "fused":
-                label = "5. fused zonal scatter (on the reference)"
-                rows.append({"chapter": label, **{k: r[k] for k in _PROGRESS_KEYS}})
-    for r in rows:
-        r["system"] = r["chapter"]
-    return sorted(
-        rows,
-        key=lambda r: (
-            r["n_atoms"],
-            r["dtype"] != "float32",
-            not r["chapter"][0].isdigit(),
-        ),
+        prov = r["provenance"]
+        rows.append(
+            {"system": r["system"], "chapter": r["system"], "n_atoms": r["n_atoms"],
+             "n_edges": r["n_edges"], "dtype": r["precision"], "step_ms": r["ms"],
+             "peak_mem_MiB": r["peak_MiB"], "device": prov["device"],
+             "commit": prov["commit"]}
+        )  # fmt: skip
+
+    def order(r):
+        known = r["system"] in PROGRESS_ROWS
+        i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
+        return (r["n_atoms"], r["dtype"] != "float32", i)
+
+    return _with_ratios(
+        sorted(rows, key=order),
+        lambda r: r["system"] == "reference",
+        lambda r: r["system"] in PROGRESS_PEERS,
     )
 
 

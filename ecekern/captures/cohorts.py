@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import torch
 
 from .. import bench, options
 from .._stack_common import kernel_precision
 from ..cohorts import COHORT_EDGES
-from ..model import _stack_kernels
-from .common import book_config, device, free, parse_parts, run_ncu, run_parts
+from . import schema
+from .common import book_config, free, run_ncu
 
-__all__ = ["capture"]
-
-PARTS = ("stack", "steps", "memory", "precision", "ncu")
+__all__ = ["PARTS"]
 #: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
 COHORTS = (
     ("plain", None, None),
@@ -56,63 +53,42 @@ COHORTS = (
 )
 
 
-def _label(option: str) -> str:
-    """A case's label from its ``cohort_fused`` option: ``"layers <products>"`` or
-    ``"stack <products>"`` (the kernels' names of the products)."""
-    kernels, precision = _stack_kernels(option)
-    family = "stack" if kernels == "fused" else "layers"
+def _label(stack: str, precision: str) -> str:
+    """A case's label: ``"layers <products>"`` or ``"stack <products>"`` (the
+    kernels' names of the products: ``ieee``, ``tf32x3``, ``tf32``, ``bf16``)."""
+    family = "stack" if stack == "fused" else "layers"
     return f"{family} {kernel_precision(precision)}"
 
 
 #: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
-#: per tile of edges): (label, ``cohort_fused`` option, as
-#: ``ecekern.options.COHORT_FUSED`` names them), the layer kernels in the order
-#: strict fp32, TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32,
-#: bf16; they skip the m = 0 sin part as the model does (``sin0_zero``).
-FUSED = tuple((_label(o), o) for o in options.COHORT_FUSED[2:])
-#: The layer kernels recomputing z in the backward: (label, option, cohort_edges).
-FUSED_RECOMPUTE = ("layers tf32x3 recompute", "tf32x3", 16384)
+#: per tile of edges): (label, options), the layer kernels in the order strict fp32,
+#: TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32, bf16; they
+#: skip the m = 0 sin part as the model does (``sin0_zero``).
+FUSED = tuple(
+    (_label(stack, p), {"stack": stack, "precision": p})
+    for stack, ps in (("layers", ("fp32", "tf32", "3xtf32", "bf16")),
+                      ("fused", ("fp32", "3xtf32", "tf32", "bf16")))
+    for p in ps
+)  # fmt: skip
+#: The layer kernels recomputing z in the backward: (label, options, cohort_edges).
+FUSED_RECOMPUTE = (
+    "layers tf32x3 recompute",
+    {"stack": "layers", "precision": "3xtf32"},
+    16384,
+)
 #: The fused stacks whose forward writes only y and whose backward makes each tile's
-#: z again on chip: (label, option).
+#: z again on chip: (label, options).
 STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
-                        if label.startswith("stack"))  # fmt: skip
+                        if o["stack"] == "fused")  # fmt: skip
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "stack,steps,memory,precision,ncu",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 6 (module docstring). On a CPU, ``stack`` runs at a tiny size as a
-    smoke test; ``steps`` and ``memory`` need a GPU."""
-    todo = parse_parts(parts, PARTS)
-    dev = device()
-    info: dict = {"parts": sorted(todo)}
-    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    boxes_ = [int(b) for b in (boxes or "4,8,12,16").split(",")]
-    parts_ = (
-        ("stack", lambda: _stack(out, reps, dev)),
-        ("steps", lambda: _steps(out, reps)),
-        (
-            "memory",
-            lambda: _memory(out, boxes_[:2] if quick else boxes_, todo.get("memory")),
-        ),  # fmt: skip
-        ("precision", lambda: _precision(out)),
-        ("ncu", lambda: _ncu(out, todo.get("ncu")) if ncu else "ncu not asked for"),
-    )
-    gpu_only = ("steps", "memory", "precision", "ncu")
-    run_parts(parts_, todo, info, dev, gpu_only=gpu_only)
-    return info
-
-
-def _ncu(out: Path, which: str | None = None) -> str:
+def _ncu(run, which: str) -> str:
     """Nsight Compute on the layer kernels, forward and force backward, at each
     precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
     stacks, keeping z and recomputing it
     (:func:`~ecekern.captures.targets.cohorts_stack`, ``cohorts_stack_recompute``);
     ``which``: ``"layers"``, ``"stack"`` or ``"recompute"`` for one of them."""
+    out = run.out
     if which not in (None, "", "layers", "stack", "recompute"):
         raise ValueError(f"ncu={which!r}: 'layers', 'stack' or 'recompute'")
     done = []
@@ -140,12 +116,19 @@ def _planes_copy(rows):
     return list(pair)
 
 
-def _stack(out: Path, reps: list[int], dev: str) -> str:
+#: What a row of stack.csv times (its ``n``: the edges).
+PROBLEM = "one layer's stack, forward + input backward"
+
+
+def _stack(run, arg: str) -> str:
+    """stack.csv (kernel schema, with ``cohort_edges`` and ``peak_MiB``; module
+    docstring)."""
     import ecekern
     from ecekern import cohorts, reference
     from ecekern.linear import equivariant_linear
     from ecekern.model import prepare_inputs
 
+    out, reps, dev = run.out, run.reps(), run.dev
     cfg = book_config(dev, n_gated=2)
     model = ecekern.ECEModel(cfg).to(dev)
     layer = model.interactions[0]
@@ -172,19 +155,21 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
         label, p, c = FUSED_RECOMPUTE
         cases.append((label, c, True, p))
         cases += [(label, COHORT_EDGES, True, p) for label, p in STACK_RECOMPUTE]
-        for label, cohort, recompute, fused in cases:
-            kernels, precision = _stack_kernels(fused)
+        for label, cohort, recompute, opts in cases:
+            kernels, precision = (None, "fp32") if opts is None else (
+                opts["stack"], opts["precision"])  # fmt: skip
             why = kernels and cohorts.why_not(
                 "layers", precision, dev, None, torch.float32, cfg.F,
                 layer.out.weight.shape[1], cfg.n_ang,
             )  # fmt: skip
             if why:  # the interpreter's tiny model: widths without a factor 16
-                rows.append({"stack": label, "n_edges": E, "note": why})
-                bench.write_csv(rows, out / "stack.csv")
+                row = schema.kernel_row(label, PROBLEM, E, "float32", None, note=why)
+                rows.append({**row, "cohort_edges": cohort or ""})
+                schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
                 continue
 
-            def run(cohort=cohort, recompute=recompute, kernels=kernels,
-                    precision=precision):  # fmt: skip
+            def fwd_bwd(cohort=cohort, recompute=recompute, kernels=kernels,
+                        precision=precision):  # fmt: skip
                 x, gy = (xp, gyp) if kernels else (x_rows, gy_rows)
                 if cohort is None:
                     y = reference.mixing_stack(
@@ -200,55 +185,29 @@ def _stack(out: Path, reps: list[int], dev: str) -> str:
                     )  # fmt: skip
                 return torch.autograd.grad(y, x, gy)
 
-            t = bench.time_fn(run) if dev == "cuda" else None
-            rows.append(
-                {
-                    "stack": label,
-                    "cohort_edges": cohort or "",
-                    "n_edges": E,
-                    "fwd_bwd_ms": t.median if t else float("nan"),
-                    "fwd_bwd_p10_ms": t.p10 if t else float("nan"),
-                    "fwd_bwd_p90_ms": t.p90 if t else float("nan"),
-                    "peak_MiB": bench.peak_memory(run) / 2**20,
-                    **bench.provenance(torch.float32),
-                }
-            )
-            print(f"stack {rows[-1]['stack']} {cohort} E={E}: "
-                  f"{rows[-1]['fwd_bwd_ms']:.2f} ms", flush=True)  # fmt: skip
-            bench.write_csv(rows, out / "stack.csv")
+            t = bench.time_fn(fwd_bwd) if dev == "cuda" else None
+            peak = bench.peak_memory(fwd_bwd) / 2**20
+            c = cohort or ""
+            row = schema.kernel_row(label, PROBLEM, E, "float32", t, cohort_edges=c)
+            rows.append({**row, "peak_MiB": peak})
+            print(f"stack {label} {cohort} E={E}: {t.median if t else 0:.2f} ms",
+                  flush=True)  # fmt: skip
+            schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
             free()
     return "done"
 
 
 #: (label, options) cases of the ``steps`` and ``memory`` parts.
 STEP_CASES = (
-    ("plain", {"cohorts": False}),
-    ("keep z", {"cohorts": True, "cohort_edges": 8192, "cohort_fused": "off"}),
-    ("keep z", {"cohorts": True, "cohort_edges": 65536, "cohort_fused": "off"}),
-    (
-        "recompute",
-        {
-            "cohorts": True,
-            "cohort_edges": 8192,
-            "cohort_recompute": True,
-            "cohort_fused": "off",
-        },
-    ),  # fmt: skip
-    *((label, {"cohorts": True, "cohort_fused": p}) for label, p in FUSED),
-    (
-        FUSED_RECOMPUTE[0],
-        {
-            "cohorts": True,
-            "cohort_fused": FUSED_RECOMPUTE[1],
-            "cohort_recompute": True,
-            "cohort_edges": FUSED_RECOMPUTE[2],
-        },
-    ),  # fmt: skip
-    *(
-        (label, {"cohorts": True, "cohort_fused": p, "cohort_recompute": True})
-        for label, p in STACK_RECOMPUTE
-    ),  # fmt: skip
-)
+    ("plain", {"memory": "plain", "stack": "linears"}),
+    ("keep z", {"memory": "keep", "cohort_edges": 8192, "stack": "linears"}),
+    ("keep z", {"memory": "keep", "cohort_edges": 65536, "stack": "linears"}),
+    ("recompute", {"memory": "recompute", "cohort_edges": 8192, "stack": "linears"}),
+    *((label, {"memory": "keep", **o}) for label, o in FUSED),
+    (FUSED_RECOMPUTE[0], {"memory": "recompute", **FUSED_RECOMPUTE[1],
+                          "cohort_edges": FUSED_RECOMPUTE[2]}),
+    *((label, {"memory": "recompute", **o}) for label, o in STACK_RECOMPUTE),
+)  # fmt: skip
 #: The ``memory`` part's cases, from :data:`STEP_CASES`.
 MEMORY_CASES = (
     "plain",
@@ -260,7 +219,9 @@ MEMORY_CASES = (
 )
 
 
-def _steps(out: Path, reps: list[int]) -> str:
+def _steps(run, arg: str) -> str:
+    """steps.csv (step schema, with ``cohort_edges``): every case of
+    :data:`STEP_CASES`, eager and replayed."""
     import ecekern
     from ecekern.model import prepare_inputs
 
@@ -268,32 +229,31 @@ def _steps(out: Path, reps: list[int]) -> str:
 
     cfg = book_config("cuda", n_gated=2)
     rows = []
-    for rep in reps:
+    for rep in run.reps():
         inputs = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
         model = ecekern.ECEModel(cfg).to("cuda")
-        for replay in (False, True):
+        for mode in schema.MODES:
             for label, kw in STEP_CASES:
-                with options.use(**kw) as now:
-                    row = force_row(
-                        label, model, inputs, torch.float32,
-                        forward=False, key="stack", replay=replay,
-                    )  # fmt: skip
-                c = kw.get("cohort_edges", "")
-                row = {"cohort_edges": c, "replay": replay, **row}
-                row = {**row, "options_repr": repr(now)}
-                rows.append(row)
-                print(f"steps {label} c={c} replay={replay} {row['n_atoms']}: "
-                      f"{row['step_ms']:.1f} ms, {row.get('peak_mem_MiB')}",
-                      flush=True)  # fmt: skip
-                bench.write_csv(rows, out / "steps.csv")
+                with options.use(**kw):
+                    c = kw.get("cohort_edges", "")
+                    rows.append(force_row(label, model, inputs, schema.plan(kw), mode,
+                                          cohort_edges=c))  # fmt: skip
+                schema.write(rows, run.out / "steps.csv")
                 free()
         model = inputs = None
         free()
     return "done"
 
 
+#: The precision study's cases: (label, TF32, options); fp64 is the truth.
+PRECISION_CASES = (
+    ("fp64", False, {}),
+    ("fp32", False, {"memory": "keep", "stack": "linears"}),
+    ("tf32", True, {"memory": "keep", "stack": "linears"}),
+    *((label, False, {"memory": "keep", **o}) for label, o in FUSED[1:]),
+)
 #: The precision study's settings: rattles (A), NVE time step (fs) and length (fs).
 RATTLES = (0.05, 0.25)
 NVE_DT_FS, NVE_FS = 1.0, 1000.0
@@ -325,7 +285,7 @@ def _tether_calculator(model, anchor, device="cuda"):
     return SumCalculator([ECECalculator(model, device=device), Tether()])
 
 
-def _precision(out: Path, rep: int = 4) -> str:
+def _precision(run, arg: str, rep: int = 4) -> str:
     """Forces and energies of fp32 and TF32 against fp64 (the same weights), and
     NVE energy drift over ``NVE_FS`` with the ASE calculator."""
     import copy
@@ -337,16 +297,14 @@ def _precision(out: Path, rep: int = 4) -> str:
 
     import ecekern
 
+    out = run.out
     cfg = book_config("cuda", n_gated=2)
     torch.manual_seed(0)
     m64 = ecekern.ECEModel(cfg).double().to("cuda")
     m32 = copy.deepcopy(m64).float()
-    fused = lambda p: {"cohorts": True, "cohort_fused": p}  # noqa: E731
-    cases = (
-        ("fp64", m64, False, {}),
-        ("fp32", m32, False, fused("off")),
-        ("tf32", m32, True, fused("off")),
-        *((label, m32, False, fused(p)) for label, p in FUSED[1:]),
+    cases = tuple(
+        (label, m64 if label == "fp64" else m32, tf32, opts)
+        for label, tf32, opts in PRECISION_CASES
     )
     rows, nve = [], []
     for rattle in RATTLES:
@@ -414,11 +372,14 @@ def _precision(out: Path, rep: int = 4) -> str:
     return "done"
 
 
-def _memory(out: Path, boxes: list[int], only: str | None = None) -> dict:
-    """``only``: the cases whose label starts so (``memory=stack``)."""
+def _memory(run, only: str) -> dict:
+    """memory.csv (module docstring); ``only``: the cases whose label starts so
+    (``memory=stack``)."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
+    boxes = [int(b) for b in (run.boxes or "4,8,12,16").split(",")]
+    boxes, out = boxes[:2] if run.quick else boxes, run.out
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
@@ -434,21 +395,21 @@ def _memory(out: Path, boxes: list[int], only: str | None = None) -> dict:
                 row |= {"n_atoms": inputs[0].shape[0], "n_edges": inputs[2].n_edges}
                 with options.use(**kw):
                     peak = bench.peak_memory(lambda: force_step(model, *inputs))
-                row["peak_mem_MiB"] = peak / 2**20
+                row["peak_MiB"] = peak / 2**20
                 largest[label] = row["n_atoms"]
             except torch.cuda.OutOfMemoryError as e:
-                row["peak_mem_MiB"] = "out of memory"
+                row["peak_MiB"] = "out of memory"
                 row["oom_detail"] = _oom_detail(str(e))
             inputs = None
             free()
             alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
             rows.append({**row, "alloc_conf": alloc, **bench.provenance(torch.float32)})
-            print(f"memory {label} repeats={rep}: {row['peak_mem_MiB']}",
+            print(f"memory {label} repeats={rep}: {row['peak_MiB']}",
                   flush=True)  # fmt: skip
             bench.write_csv(rows, out / "memory.csv")
-            if row["peak_mem_MiB"] == "out of memory":
+            if row["peak_MiB"] == "out of memory":
                 break
-    return {"largest box (atoms)": largest}
+    return {"memory": {"largest box (atoms)": largest}}
 
 
 def _oom_detail(message: str) -> str:
@@ -461,3 +422,13 @@ def _oom_detail(message: str) -> str:
     )
     found = ((k, re.search(p, message)) for k, p in pats)
     return "; ".join(f"{k} {m.group(1)}" for k, m in found if m) or message[:120]
+
+
+PARTS = {
+    "stack": _stack,
+    "steps": _steps,
+    "memory": _memory,
+    "precision": _precision,
+    "ncu": _ncu,
+}
+GPU_ONLY = ("steps", "memory", "precision", "ncu")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import bench
+from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
     "LaunchCase",
@@ -33,39 +34,18 @@ __all__ = [
     "launch_from_json",
     "launch_sweep",
     "launch_to_json",
-    "parse_parts",
     "profile_table",
     "rel_err_gpu",
     "run_ncu",
+    "step_error",
 ]
 
-NCU_METRICS_BASIC = [
-    "gpu__time_duration.sum",
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "lts__t_bytes.sum",
-    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-]
-#: Shared-memory bank conflicts and instruction counts (tried first, dropped if this
-#: ncu does not know them)
-NCU_COUNTERS = [
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
-    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
-    "smsp__inst_executed.sum",
-    "smsp__inst_executed_pipe_fma.sum",
-    "l1tex__throughput.avg.pct_of_peak_sustained_active",
-    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
-    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
-    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
-    "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum",
-    "launch__registers_per_thread",
-]
+#: What Nsight Compute is asked for: the metrics the loader reads
+#: (:data:`ecekern.captures.NCU_COLUMNS`, L2 bytes), the stall reasons, and the
+#: counters (:data:`ecekern.captures.NCU_COUNTS`: tried first, dropped if this ncu
+#: does not know them).
+NCU_METRICS_BASIC = [*NCU_COLUMNS, "lts__t_bytes.sum"]
+NCU_COUNTERS = list(NCU_COUNTS)
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
     for r in (
@@ -163,34 +143,6 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def parse_parts(parts: str, known: tuple[str, ...]) -> dict[str, str]:
-    """``"a,b=arg,c"`` as ``{"a": "", "b": "arg", "c": ""}``; a name that is not one
-    of ``known`` is an error (a typo would otherwise measure nothing)."""
-    todo = dict(p.partition("=")[::2] for p in parts.split(","))
-    unknown = sorted(set(todo) - set(known))
-    if unknown:
-        raise ValueError(f"unknown part(s) {unknown}: choose from {', '.join(known)}")
-    return todo
-
-
-def run_parts(parts, todo: dict, info: dict, dev: str, gpu_only=("steps",)) -> None:
-    """Run each ``(name, fn)`` of ``parts`` that ``todo`` asks for, on its own: one
-    that fails says so in ``info`` (the manifest), the rest still run; the parts in
-    ``gpu_only`` are skipped, and said so, without a GPU."""
-    for part, fn in parts:
-        if part not in todo:
-            continue
-        if part in gpu_only and dev != "cuda":
-            info[part] = "skipped: no GPU"
-            continue
-        try:
-            info[part] = fn()
-        except Exception as exc:
-            info[part] = f"failed: {exc!r}"[:500]
-            print(part, "failed:", repr(exc), flush=True)
-        free()
-
-
 def ceilings() -> dict:
     """Our measured H200 ceilings from the methodology capture (fallbacks otherwise)."""
     from . import load
@@ -200,12 +152,10 @@ def ceilings() -> dict:
         rows = load("methodology").csv("ceilings")
     except FileNotFoundError:
         return c
-    c["copy_GBps"] = max(
-        r["rate"] for r in rows if r["kind"] in ("copy", "elementwise")
-    )
+    c["copy_GBps"] = max(r["GBps"] for r in rows if r["kernel"] != "gemm")
     for r in rows:
-        if r["kind"] == "gemm":
-            c[f"gemm_{r['dtype']}"] = r["rate"]
+        if r["kernel"] == "gemm":
+            c[f"gemm_{r['precision']}"] = r["TFLOPs"]
     return c
 
 
@@ -225,27 +175,32 @@ def error_row(exc: BaseException, dtype: torch.dtype, **keys) -> dict:
 
 
 def force_row(
-    name: str,
+    system: str,
     model,
     inputs,
-    dtype: torch.dtype,
-    extra: dict | None = None,
+    plan: str = "",
+    mode: str = "eager",
     rep_ms: float = 400.0,
-    forward: bool = True,
-    key: str = "model",
-    replay: bool = False,
+    forward: bool = False,
+    step=None,
+    **extra,
 ) -> dict:
-    """One model's force step (energy + forces) on prepared ``inputs``: its time
-    (median, p10, p90, runs), peak memory and, with ``forward``, the forward alone
-    (no grad) and the backward as the difference. ``replay``: the step as a
+    """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
+    prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
+    numbers, graph)``): its time (median, p10, p90) and peak memory, at the inputs'
+    precision (TF32 as it is switched now). ``mode="replay"``: the step as a
     :class:`~ecekern.graph_step.GraphStep` (chapter 4), its peak memory that of the
-    capture (the graph's memory pool holds the step's intermediates)."""
+    capture (the graph's memory pool holds the step's intermediates). ``forward``:
+    the forward alone too (no grad; ``forward_ms``, ``forward_p10_ms``,
+    ``forward_p90_ms``) and the backward as the difference (``backward_ms``)."""
     from ..graph_step import GraphStep
     from ..model import force_step
 
     pos, numbers, graph = inputs
+    if step is not None and mode == "replay":
+        raise ValueError("a replay is of the force step: no other step")
     peak = None
-    if replay:
+    if mode == "replay":
         holder = {}
 
         def first():
@@ -255,10 +210,9 @@ def force_row(
         peak = bench.peak_memory(first)
         if "step" not in holder:  # no GPU: peak_memory runs nothing
             first()
-        step = lambda: holder["step"](pos, graph)
+        fn = lambda: holder["step"](pos, graph)
     else:
-        step = lambda: force_step(model, pos, numbers, graph)
-    row: dict = {key: name, "n_atoms": pos.shape[0], "n_edges": graph.n_edges}
+        fn = lambda: (step or force_step)(model, pos, numbers, graph)
     if forward:
 
         def fwd():
@@ -266,23 +220,27 @@ def force_row(
                 model(pos, numbers, graph)
 
         t_f = bench.time_fn(fwd, rep_ms=rep_ms)
-        row |= {
-            "forward_ms": t_f.median,
-            "forward_p10_ms": t_f.p10,
-            "forward_p90_ms": t_f.p90,
-        }
-    t_s = bench.time_fn(step, rep_ms=rep_ms, min_reps=5)
-    row |= {"step_ms": t_s.median, "step_p10_ms": t_s.p10, "step_p90_ms": t_s.p90}
+        extra = {"forward_ms": t_f.median, "forward_p10_ms": t_f.p10,
+                 "forward_p90_ms": t_f.p90, **extra}  # fmt: skip
+    t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=5)
     if forward:
-        row["backward_ms"] = t_s.median - row["forward_ms"]
+        extra["backward_ms"] = t.median - extra["forward_ms"]
     if peak is None:
-        peak = bench.peak_memory(step)
-    row |= {"peak_mem_MiB": peak / 2**20, "reps": t_s.n}
-    return {**row, **(extra or {}), **bench.provenance(dtype)}
+        peak = bench.peak_memory(fn)
+    precision = bench.dtype_label(pos.dtype)
+    row = schema.step_row(system, pos.shape[0], graph.n_edges, mode, precision, plan,
+                          t, peak, **extra)  # fmt: skip
+    print(system, row["n_atoms"], precision, mode, f"{t.median:.2f} ms",
+          f"{peak / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    return row
 
 
-def print_row(r: dict, key: str = "model") -> None:
-    print(r[key], r["n_atoms"], r["dtype"], f"{r['step_ms']:.2f} ms", flush=True)
+def step_error(exc: BaseException, system: str, inputs, plan="", mode="eager") -> dict:
+    """The step row of a step that raised: its keys and the error."""
+    pos, _, graph = inputs
+    precision = bench.dtype_label(pos.dtype)
+    return schema.step_row(system, pos.shape[0], graph.n_edges, mode, precision, plan,
+                           None, None, error=repr(exc)[:300])  # fmt: skip
 
 
 def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:

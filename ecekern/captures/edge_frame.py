@@ -21,27 +21,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import torch
 
 from .. import bench, options
+from . import schema
 from .common import (
     LaunchCase,
     ceilings,
     device,
+    force_row,
     free,
     launch_sweep,
-    parse_parts,
     profile_table,
     rel_err_gpu,
     run_ncu,
-    run_parts,
 )
 
-__all__ = ["capture", "step_tensors"]
-
-PARTS = ("launch", "kernels", "steps", "ncu")
+__all__ = ["PARTS", "step_tensors"]
 #: The kernels in the order the ncu target runs them, per variant (the rotations
 #: launch once per side).
 NCU_ORDER = (
@@ -54,31 +51,18 @@ NCU_ORDER = (
 )
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "launch,kernels,steps,ncu",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 3 (module docstring). On a CPU the parts run at a tiny size in
-    Triton's interpreter, as a smoke test (no steps, no ncu)."""
+def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch."""
     from .. import edge_frame
 
-    todo = parse_parts(parts, PARTS)
-    dev = device()
-    info: dict = {"parts": sorted(todo), "launch": repr(edge_frame.EdgeFrameLaunch())}
-    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    parts = (
-        ("launch", lambda: _launch(out, reps, dev)),
-        ("kernels", lambda: _kernels(out, reps)),
-        ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
-    )
-    run_parts(parts, todo, info, dev)
-    if dev == "cuda" and ncu and "ncu" in todo:
-        info["ncu_order"] = [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER]
-        info["ncu_edge_frame"] = run_ncu("edge_frame", out / "ncu_edge_frame.csv")
-    return info
+    return {"launch": repr(edge_frame.EdgeFrameLaunch())}
+
+
+def _ncu(run, arg: str) -> dict:
+    return {
+        "ncu_order": [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER],
+        "ncu_edge_frame": run_ncu("edge_frame", run.out / "ncu_edge_frame.csv"),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -188,10 +172,11 @@ def _first(out):
 # --------------------------------------------------------------------------------------
 # launch sweep
 # --------------------------------------------------------------------------------------
-def _launch(out: Path, reps: list[int], dev: str) -> dict:
+def _launch(run, arg: str) -> dict:
     """launch_sweep.csv; returns the fastest launch per kernel at the largest box."""
     from .. import edge_frame as ef
 
+    out, reps, dev = run.out, run.reps(), run.dev
     rows_best = {}
     blocks, warps = ((2, 4, 8, 16), (4, 8)) if dev == "cuda" else ((4,), (1,))
     for rep in reversed(reps):
@@ -214,7 +199,7 @@ def _launch(out: Path, reps: list[int], dev: str) -> dict:
                                         columns=cols))  # fmt: skip
         frames = {}
 
-        def run(case):
+        def run_case(case):
             fr = frames.get(case.launch)
             if fr is None:
                 fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
@@ -224,24 +209,25 @@ def _launch(out: Path, reps: list[int], dev: str) -> dict:
             return rel_err_gpu(got, truth[case.keys["kernel"]])
 
         name = "launch_sweep.csv" if rep == reps[-1] else f"launch_sweep_{rep}.csv"
-        best = launch_sweep(cases, run, check, out / name)
+        best = launch_sweep(cases, run_case, check, out / name)
         if rep == reps[-1]:
             rows_best = {
                 k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()
             }
         t = t64 = truth = frames = None
         free()
-    return rows_best
+    return {"launch": rows_best}
 
 
 # --------------------------------------------------------------------------------------
 # the ops, reference / table / packed
 # --------------------------------------------------------------------------------------
-def _kernels(out: Path, reps: list[int]) -> None:
+def _kernels(run, arg: str) -> str:
     """kernels.csv: each op's GPU time by variant, with the bytes model."""
     from .. import edge_frame as ef
     from .. import reference
 
+    out, reps = run.out, run.reps()
     bw = ceilings()["copy_GBps"]
     rows: list[dict] = []
     for rep in reps:
@@ -331,26 +317,30 @@ def _kernels(out: Path, reps: list[int]) -> None:
             bench.write_csv(rows, out / "kernels.csv")
         t = timings = None
         free()
+    return "done"
 
 
 # --------------------------------------------------------------------------------------
 # the force step
 # --------------------------------------------------------------------------------------
+#: (the stack as before chapter 6: the linears, no cohorts)
 STEP_OPTIONS = {
-    "reference": {"linear": "auto", "zonal": "fused", "edge_frame": "reference"},
-    "table": {"linear": "auto", "zonal": "fused", "edge_frame": "table"},
-    "packed": {"linear": "auto", "zonal": "fused", "edge_frame": "packed"},
-}
+    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, "stack": "linears",
+         "memory": "plain"}
+    for ef in ("reference", "table", "packed")
+}  # fmt: skip
 
 
-def _steps(out: Path, reps: list[int]) -> None:
-    """steps.csv and stages.csv (chapters 2 and 5 on; the edge frame switched)."""
+def _steps(run, arg: str) -> str:
+    """steps.csv (step schema) and stages.csv (chapters 2 and 5 on; the edge frame
+    switched): time, peak memory, and at the largest box the time by stage and a
+    profile."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
     from .progress import _stages
 
-    cfg = ecekern.ECEConfig()
+    cfg, out, reps = ecekern.ECEConfig(), run.out, run.reps()
     rows: list[dict] = []
     stage_rows: list[dict] = []
     for rep in reps:
@@ -361,29 +351,18 @@ def _steps(out: Path, reps: list[int]) -> None:
         n = inputs[0].shape[0]
         for variant, opts in STEP_OPTIONS.items():
             with options.use(**opts):
-                step = lambda: force_step(model, *inputs)
-                t = bench.time_fn(step, rep_ms=400.0, min_reps=5)
-                mem = bench.peak_memory(step)
-                rows.append(
-                    {
-                        "edge_frame": variant,
-                        "n_atoms": n,
-                        "n_edges": inputs[2].n_edges,
-                        "step_ms": t.median,
-                        "step_p10_ms": t.p10,
-                        "step_p90_ms": t.p90,
-                        "reps": t.n,
-                        "peak_mem_MiB": mem / 2**20,
-                        **bench.provenance(torch.float32),
-                    }
-                )
-                ms, mib = f"{t.median:.2f} ms", f"{mem / 2**20:.0f} MiB"
-                print("step", variant, n, ms, mib, flush=True)
-                bench.write_csv(rows, out / "steps.csv")
+                rows.append(force_row(variant, model, inputs, schema.plan(opts)))
+                schema.write(rows, out / "steps.csv")
                 if rep == reps[-1]:
+                    step = lambda: force_step(model, *inputs)
                     for r in _stages(variant, step, n, "cuda"):
                         stage_rows.append({"edge_frame": variant, **r})
                     bench.write_csv(stage_rows, out / "stages.csv")
                     profile_table(step, out, f"profile_force_{n}_{variant}")
         model = inputs = None
         free()
+    return "done"
+
+
+PARTS = {"launch": _launch, "kernels": _kernels, "steps": _steps, "ncu": _ncu}
+GPU_ONLY = ("steps", "ncu")

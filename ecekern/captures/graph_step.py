@@ -26,44 +26,22 @@ from __future__ import annotations
 import functools
 import math
 import time
-from pathlib import Path
 
 import torch
 
 from .. import bench, options
-from .common import book_config, device, free, parse_parts, run_parts
+from . import schema
+from .common import book_config, free
 
-__all__ = ["capture", "unpack_indexed", "unpack_masked"]
+__all__ = ["PARTS", "unpack_indexed", "unpack_masked"]
 
-PARTS = ("unpack", "audit", "steps")
 #: The option sets the audit and the steps run under.
 PATHS = {"defaults": {}, "reference": {"reference": True}}
+#: The audit's defaults in Triton's interpreter (no GPU): the fast paths it runs.
+CPU_DEFAULTS = {"edge_frame": "packed", "zonal": "fused"}
 #: The replays' headrooms: the library's default first, then none (capacity = E,
 #: rounded up to the quantum), then the headroom of a first draft (25 %).
 HEADROOMS = (None, 1.0, 1.25)
-
-
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "unpack,audit,steps",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 4 (module docstring). On a CPU, ``unpack`` and ``audit`` run at a
-    tiny size (the fast kernels in Triton's interpreter) as a smoke test; ``steps``
-    needs a GPU."""
-    todo = parse_parts(parts, PARTS)
-    dev = device()
-    info: dict = {"parts": sorted(todo)}
-    reps = [1] if dev != "cuda" else ([4] if quick else [4, 8])
-    parts = (
-        ("unpack", lambda: _unpack(out, reps, dev)),
-        ("audit", lambda: _audit(out, 1 if dev != "cuda" else 4, dev)),
-        ("steps", lambda: _steps(out, [4] if quick else [4, 8])),
-    )
-    run_parts(parts, todo, info, dev)
-    return info
 
 
 # --------------------------------------------------------------------------------------
@@ -124,16 +102,18 @@ def _api_calls(prof, names) -> int:
     return sum(e.count for e in prof.key_averages() if e.key in names)
 
 
-def _unpack(out: Path, reps: list[int], dev: str) -> dict:
+def _unpack(run, arg: str) -> str:
+    """unpack.csv and the profiler's traces (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     import ecekern
     from ecekern.host_sync import HostSyncAudit
     from ecekern.model import prepare_inputs
 
+    out, reps, dev = run.out, run.reps(), run.dev
     cfg = book_config(dev)
     M, S = cfg.M, cfg.S
-    rows, info = [], {}
+    rows = []
     for rep in reps:
         _, _, graph = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
@@ -182,7 +162,7 @@ def _unpack(out: Path, reps: list[int], dev: str) -> dict:
             )
             print(f"unpack {name} E={E}: {rows[-1]['wall_ms']:.3f} ms", flush=True)
         bench.write_csv(rows, out / "unpack.csv")
-    return info or "done"
+    return "done"
 
 
 def _host_and_wall(fn, dev: str, n: int) -> tuple[float, float]:
@@ -206,20 +186,22 @@ def _host_and_wall(fn, dev: str, n: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------
 # audit: every sync and copy of one step
 # --------------------------------------------------------------------------------------
-def _audit(out: Path, rep: int, dev: str) -> dict:
+def _audit(run, arg: str) -> dict:
+    """audit.csv: every host sync and copy of one force step (module docstring)."""
     import ecekern
     from ecekern.host_sync import HostSyncAudit
     from ecekern.model import force_step, prepare_inputs
 
+    out, dev = run.out, run.dev
     cfg = book_config(dev)
     inputs = prepare_inputs(
-        ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
+        ecekern.systems.diamond(run.reps()[0]), cfg.cutoff, torch.float32, dev
     )
     model = ecekern.ECEModel(cfg).to(dev)
     rows, info = [], {}
     for label, opts in PATHS.items():
         if dev != "cuda" and label == "defaults":
-            opts = {"edge_frame": "packed", "zonal": "fused"}  # the interpreter
+            opts = CPU_DEFAULTS
         with options.use(**opts):
             force_step(model, *inputs)  # compiles, checks the species, fills caches
             with HostSyncAudit() as audit:
@@ -239,7 +221,7 @@ def _audit(out: Path, rep: int, dev: str) -> dict:
         [{**r, "n_atoms": inputs[0].shape[0], **bench.provenance(torch.float32)}
          for r in rows], out / "audit.csv",
     )  # fmt: skip
-    return info
+    return {"audit": info}
 
 
 def _sync_debug(fn) -> str:
@@ -291,9 +273,9 @@ def _on_device(e) -> bool:
     return str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"
 
 
-def _step_row(model, inputs, mode: str, headroom) -> dict:
-    """One row of steps.csv: the eager step, or a GraphStep built (and captured)
-    with this headroom, then timed."""
+def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:
+    """One row of steps.csv (step schema): the eager step, or a GraphStep built (and
+    captured) with this headroom, then timed."""
     from ecekern.graph_step import GraphStep
     from ecekern.model import force_step
 
@@ -320,56 +302,43 @@ def _step_row(model, inputs, mode: str, headroom) -> dict:
     host, wall = _host_and_wall(fn, "cuda", n)
     busy, ops = _busy(fn, n)
     replay = mode == "replay"
-    return {
-        "mode": mode,
-        "headroom": holder["step"].headroom if replay else "",
-        "n_atoms": N,
-        "n_edges": graph.n_edges,
-        "capacity": holder["step"].capacity if replay else "",
-        "step_ms": t.median,
-        "step_p10_ms": t.p10,
-        "step_p90_ms": t.p90,
-        "wall_ms": wall,
-        "host_ms": host,
-        "gpu_busy": busy,
-        "gpu_ops_per_step": ops,
-        "capture_s": capture_s if replay else "",
-        "peak_mem_MiB": peak / 2**20,
-    }
+    row = schema.step_row(
+        label, N, graph.n_edges, mode, "float32", schema.plan(PATHS[label]), t, peak,
+        headroom=holder["step"].headroom if replay else "",
+        capacity=holder["step"].capacity if replay else "",
+        wall_ms=wall, host_ms=host, gpu_busy=busy, gpu_ops_per_step=ops,
+        capture_s=capture_s if replay else "",
+    )  # fmt: skip
+    print(f"steps {label} {mode} {headroom} {N}: {t.median:.2f} ms, host "
+          f"{host:.2f} ms, busy {busy:.2f}", flush=True)  # fmt: skip
+    return row
 
 
-def _steps(out: Path, reps: list[int]) -> dict:
+def _steps(run, arg: str) -> str:
+    """steps.csv: eager against replay, under the defaults and the reference."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
     cfg = book_config("cuda")
     rows: list[dict] = []
-    for rep in reps:
+    for rep in run.reps():
         inputs = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
-        pos, numbers, graph = inputs
-        N = pos.shape[0]
         model = ecekern.ECEModel(cfg).to("cuda")
         for label, opts in PATHS.items():
-            with options.use(**opts) as now:
-                eager = lambda: force_step(model, *inputs)
-                eager()  # compiles the kernels: the capture's time below is its own
-                modes = [("eager", None)] + [
-                    ("replay", h)
-                    for h in (
-                        HEADROOMS if label == "defaults" else HEADROOMS[:1]
-                    )  # fmt: skip
-                ]
+            with options.use(**opts):
+                force_step(model, *inputs)  # compiles: the capture's time is its own
+                headrooms = HEADROOMS if label == "defaults" else HEADROOMS[:1]
+                modes = [("eager", None)] + [("replay", h) for h in headrooms]
                 for mode, headroom in modes:
-                    row = _step_row(model, inputs, mode, headroom)
-                    rows.append({"options": label, **row, "options_repr": repr(now),
-                                 **bench.provenance(torch.float32)})  # fmt: skip
-                    print(f"steps {label} {mode} {headroom} {N}: {row['step_ms']:.2f}"
-                          f" ms, host {row['host_ms']:.2f} ms, busy "
-                          f"{row['gpu_busy']:.2f}", flush=True)  # fmt: skip
-                    bench.write_csv(rows, out / "steps.csv")
+                    rows.append(_step_row(model, inputs, label, mode, headroom))
+                    schema.write(rows, run.out / "steps.csv")
                     free()
         model = inputs = None
         free()
     return "done"
+
+
+PARTS = {"unpack": _unpack, "audit": _audit, "steps": _steps}
+GPU_ONLY = ("steps",)

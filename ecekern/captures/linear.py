@@ -26,24 +26,23 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
+from . import schema
 from .common import (
     LaunchCase,
     ceilings,
-    device,
     error_row,
+    force_row,
     free,
     launch_sweep,
     launch_to_json,
     launches_env,
-    parse_parts,
     profile_table,
     rel_err_gpu,
     run_ncu,
 )
 
-__all__ = ["PATHS_MEASURED", "capture", "launch_cases", "sweep_cell"]
+__all__ = ["PARTS", "PATHS_MEASURED", "launch_cases", "sweep_cell"]
 
-PARTS = ("launch", "steps", "ncu", "sweep")
 PATHS_MEASURED = ("einsum", "dense", "triton")
 #: The precisions of the sweeps: (dtype, TF32, the GEMM ceiling's key)
 PRECISIONS = {
@@ -53,40 +52,32 @@ PRECISIONS = {
 }
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "launch,steps,ncu,sweep",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 2 (module docstring). On a CPU the launch sweep and the E sweep run
-    at tiny sizes in Triton's interpreter, as a smoke test."""
+def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch table."""
     from ..linear import plan
 
-    dev = device()
-    todo = parse_parts(parts, PARTS)
-    info: dict = {"parts": parts}
-    info["library_launch"] = {k: repr(v) for k, v in plan.LAUNCH.items()}
-    if "launch" in todo:
-        chosen = _launch(out, quick, dev)
-        info["launch"] = {
+    return {"library_launch": {k: repr(v) for k, v in plan.LAUNCH.items()}}
+
+
+def _launch_part(run, arg: str) -> dict:
+    chosen = _launch(run.out, run.quick, run.dev)
+    return {
+        "launch": {
             k: f"{c.keys['kernel']} {c.keys['variant']}: {c.launch!r}"
             for k, c in chosen.items()
-        }
-        info["launch_json"] = {
+        },
+        "launch_json": {
             k: launch_to_json(c.keys["kernel"], c.launch) for k, c in chosen.items()
-        }
-    if dev == "cuda" and "steps" in todo:
-        paths = tuple(todo["steps"].split(";")) if todo["steps"] else None
-        _model_steps(out, quick, paths or PATHS_MEASURED)
-    if dev == "cuda" and ncu and "ncu" in todo:
-        env = launches_env("ECEKERN_CAPTURE_LINEAR", info.get("launch_json", {}))
-        info["ncu_triton"] = run_ncu("eqlin_triton", out / "ncu_triton.csv", env=env)
-        info["ncu_dense"] = run_ncu("eqlin_dense", out / "ncu_dense.csv")
-    if "sweep" in todo:
-        _sweep(out, quick, dev, todo["sweep"])
-    return info
+        },
+    }
+
+
+def _ncu(run, arg: str) -> dict:
+    env = launches_env("ECEKERN_CAPTURE_LINEAR", run.info.get("launch_json", {}))
+    return {
+        "ncu_triton": run_ncu("eqlin_triton", run.out / "ncu_triton.csv", env=env),
+        "ncu_dense": run_ncu("eqlin_dense", run.out / "ncu_dense.csv"),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -228,23 +219,26 @@ def _launch(out: Path, quick: bool, dev: str) -> dict[str, LaunchCase]:
 # --------------------------------------------------------------------------------------
 # model steps
 # --------------------------------------------------------------------------------------
-def _count_ops(prof_rows: list[dict], names: tuple[str, ...]) -> dict:
-    return {
-        n: sum(r["calls_per_step"] for r in prof_rows if r["name"] == n) for n in names
-    }
+#: The options of the force step with each EquivariantLinear path (the zonal scatter
+#: on the reference: only the linear changes).
+STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
+    path: {"linear": path, "zonal": "reference", "stack": "linears", "memory": "plain"}
+    for path in PATHS_MEASURED
+}
 
 
-def _model_steps(out: Path, quick: bool, paths: tuple[str, ...]) -> None:
-    """The model's force step with each EquivariantLinear path (the zonal scatter on
-    the reference: only the linear changes), strict fp32 and TF32: time, peak memory,
-    and from a profile of each the calls per step of the ops the einsum path brings
-    (copies, bmm) and the GEMMs of the dense path."""
+def _model_steps(run, arg: str) -> str:
+    """model_steps.csv (step schema): the model's force step with each
+    EquivariantLinear path (``steps=dense;einsum``: some), strict fp32 and TF32:
+    time, peak memory, and from a profile of each the calls per step of the ops the
+    einsum path brings (copies, bmm) and the GEMMs of the dense path."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = ecekern.ECEConfig()
+    paths = arg.split(";") if arg else PATHS_MEASURED
+    cfg, out = ecekern.ECEConfig(), run.out
     rows = []
-    for rep in [2] if quick else [4, 8]:
+    for rep in [2] if run.quick else [4, 8]:
         model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
         inputs = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
@@ -252,39 +246,22 @@ def _model_steps(out: Path, quick: bool, paths: tuple[str, ...]) -> None:
         n_atoms = inputs[0].shape[0]
         for tf32, path in itertools.product((False, True), paths):
             bench.set_tf32(tf32)
-            with options.use(linear=path, zonal="reference"):
-                step = lambda: force_step(model, *inputs)
-                t = bench.time_fn(step, rep_ms=400.0)
-                mem = bench.peak_memory(step)
+            opts = STEP_OPTIONS[path]
+            with options.use(**opts):
+                row = force_row(path, model, inputs, schema.plan(opts))
                 stem = f"profile_step_{n_atoms}_{path}{'_tf32' if tf32 else ''}"
-                profile_table(step, out, stem)
+                profile_table(lambda: force_step(model, *inputs), out, stem)
             with (out / f"{stem}_ops.csv").open() as fh:
-                ops = [
-                    {**r, "calls_per_step": float(r["calls_per_step"])}
-                    for r in csv.DictReader(fh)
-                ]
-            counts = _count_ops(
-                ops, ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm")
-            )
-            rows.append(
-                {
-                    "path": path,
-                    "n_atoms": n_atoms,
-                    "n_edges": inputs[2].n_edges,
-                    "step_ms": t.median,
-                    "step_p10_ms": t.p10,
-                    "step_p90_ms": t.p90,
-                    "reps": t.n,
-                    "peak_mem_MiB": mem / 2**20,
-                    **{f"calls_{k.split('::')[1]}": v for k, v in counts.items()},
-                    **bench.provenance(torch.float32),
-                }
-            )
-            print("step", path, n_atoms, rows[-1]["dtype"], f"{t.median:.2f} ms")
-            bench.write_csv(rows, out / "model_steps.csv")
+                ops = list(csv.DictReader(fh))
+            for op in ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm"):
+                calls = (float(r["calls_per_step"]) for r in ops if r["name"] == op)
+                row["calls_" + op.split("::")[1]] = sum(calls)
+            rows.append(row)
+            schema.write(rows, out / "model_steps.csv")
         bench.set_tf32(False)
         model = inputs = None
         free()
+    return "done"
 
 
 # --------------------------------------------------------------------------------------
@@ -325,11 +302,12 @@ def _paths() -> dict:
     }
 
 
-def _sweep(out: Path, quick: bool, dev: str, spec: str) -> None:
+def _sweep(run, spec: str) -> str:
     """Rows of linear_sweep.csv: for each (E, n_ang) cell, fresh inputs, every
     precision and path."""
     from .. import linear, reference
 
+    out, quick, dev = run.out, run.quick, run.dev
     ceil = ceilings()
     paths = _paths()
     F = 192 if dev == "cuda" else 32  # a CPU run is a smoke test in the interpreter
@@ -406,3 +384,8 @@ def _sweep(out: Path, quick: bool, dev: str, spec: str) -> None:
                 bench.write_csv(rows, out / "linear_sweep.csv")
         bench.set_tf32(False)
         free()
+    return "done"
+
+
+PARTS = {"launch": _launch_part, "steps": _model_steps, "ncu": _ncu, "sweep": _sweep}
+GPU_ONLY = ("steps", "ncu")

@@ -5,15 +5,15 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
 
 1. ``reference``: ``options.use(reference=True)``;
 2. ``+ ch2 linear``: ``options.use(linear="auto", edge_frame="reference",
-   zonal="reference")``;
+   zonal="reference", stack="linears", memory="plain")``;
 3. ``+ ch3 edge_frame``: ``options.use(linear="auto", edge_frame="packed",
    zonal="reference")``;
 4. ``+ ch4 graph_step``: the same options, the step replayed as a CUDA graph
    (:class:`~ecekern.graph_step.GraphStep`);
 5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
    zonal="fused")``, replayed;
-6. ``+ ch6 cohorts``: the same with ``cohorts=True, cohort_fused="off"`` (the
-   mixing stack's backward in cohorts, strict fp32 linears), replayed; then, for
+6. ``+ ch6 cohorts``: the same with ``memory="keep"`` (the mixing stack's
+   backward in cohorts, strict fp32 linears), replayed; then, for
    each precision, the stack by the layer kernels (``+ ch6 3xTF32 stack``, ..) and
    by the fused stack (``+ ch6 fused strict fp32 stack``,
    ``+ ch6 fused 3xTF32 stack``, ..), replayed (:data:`CH6_STACKS`);
@@ -26,10 +26,13 @@ For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each preci
    load: cuet would fall back to its naive path);
 9. ``library defaults + torch.compile``.
 
-Each row: time (median, p10, p90 of at least 5 runs) and peak memory, with its
-provenance; ``progress.csv`` is rewritten after every row, in the table's order, so a
-run stopped by its time limit keeps what it measured. The eager rows run first, both
-boxes and precisions; then ``stages.csv``, the forward and backward time by stage of
+Each row (step schema, :mod:`.schema`; its ``plan`` the step plan the options
+resolved to, :meth:`ecekern.plan.StepPlan.describe`, with the EquivariantLinears'
+kernel where the stack runs them): time
+(median, p10, p90 of at least 5 runs) and peak memory, with its provenance;
+``progress.csv`` is rewritten after every row, in the table's order, so a run stopped
+by its time limit keeps what it measured. The eager rows run first, both boxes and
+precisions; then ``stages.csv``, the forward and backward time by stage of
 the largest box's reference and defaults (strict fp32, :mod:`.stages`); the compiled
 rows last, strict fp32 first, while the time budget lasts (a compile takes a minute or
 more; each one skipped is said so in the manifest).
@@ -43,8 +46,8 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from . import PROGRESS_ROWS
-from .common import error_row, force_row, free
+from . import PROGRESS_ROWS, schema
+from .common import force_row, free, step_error
 from .reference import peer_models
 from .stages import stage_times
 
@@ -53,21 +56,21 @@ __all__ = ["OURS", "REPLAYED", "capture"]
 #: Each chapter's switches, in order: a row runs with its own and every earlier one's.
 CHAPTER_SWITCHES = (
     ("+ ch2 linear", dict(linear="auto", edge_frame="reference", zonal="reference",
-                          cohorts=False)),
+                          stack="linears", memory="plain")),
     ("+ ch3 edge_frame", dict(edge_frame="packed")),
     ("+ ch4 graph_step", {}),  # the step replayed as a CUDA graph (REPLAYED)
     ("+ ch5 zonal", dict(zonal="fused")),
-    ("+ ch6 cohorts", dict(cohorts=True, cohort_fused="off")),
+    ("+ ch6 cohorts", dict(memory="keep")),
 )  # fmt: skip
 #: Chapter 6's stack by the layer kernels, each precision on top of every chapter.
 CH6_STACKS = (
-    ("+ ch6 fused strict fp32 stack", "ieee-stack"),
-    ("+ ch6 3xTF32 stack", "tf32x3"),
-    ("+ ch6 fused 3xTF32 stack", "tf32x3-stack"),
-    ("+ ch6 TF32 stack", "tf32"),
-    ("+ ch6 fused TF32 stack", "tf32-stack"),
-    ("+ ch6 bf16 stack", "bf16"),
-    ("+ ch6 fused bf16 stack", "bf16-stack"),
+    ("+ ch6 fused strict fp32 stack", dict(stack="fused", precision="fp32")),
+    ("+ ch6 3xTF32 stack", dict(stack="layers", precision="3xtf32")),
+    ("+ ch6 fused 3xTF32 stack", dict(stack="fused", precision="3xtf32")),
+    ("+ ch6 TF32 stack", dict(stack="layers", precision="tf32")),
+    ("+ ch6 fused TF32 stack", dict(stack="fused", precision="tf32")),
+    ("+ ch6 bf16 stack", dict(stack="layers", precision="bf16")),
+    ("+ ch6 fused bf16 stack", dict(stack="fused", precision="bf16")),
 )
 
 
@@ -86,10 +89,7 @@ _CHAPTERS = _cumulative(CHAPTER_SWITCHES)
 OURS = {
     "reference": {"reference": True},
     **_CHAPTERS,
-    **{
-        label: {**_CHAPTERS["+ ch6 cohorts"], "cohort_fused": p}
-        for label, p in CH6_STACKS
-    },
+    **{label: {**_CHAPTERS["+ ch6 cohorts"], **stack} for label, stack in CH6_STACKS},
     "library defaults": {},
 }
 #: The rows whose step is replayed as a CUDA graph (chapter 4 and after).
@@ -109,7 +109,7 @@ def _sort_key(r: dict):
     label = r["system"]
     return (
         r["n_atoms"],
-        r.get("dtype", "") != "float32",
+        r["precision"] != "float32",
         PROGRESS_ROWS.index(label) if label in PROGRESS_ROWS else len(PROGRESS_ROWS),
     )
 
@@ -123,48 +123,44 @@ class _Table:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         self.rows.sort(key=_sort_key)
-        bench.write_csv(self.rows, self.path)
-        if "step_ms" in row:
-            print(
-                f"progress: {row['system']}, {row['n_atoms']} atoms, {row['dtype']}: "
-                f"{row['step_ms']:.2f} ms, {row['peak_mem_MiB']:.0f} MiB",
-                flush=True,
-            )
+        schema.write(self.rows, self.path)
 
 
-def _paths(model, inputs) -> dict:
-    """The EquivariantLinear plan, the edge-frame path, the zonal path and whether
-    the stack runs in cohorts, as the current options give this model's step."""
+def _paths(model, inputs) -> str:
+    """The step plan of this model's step under the current options
+    (:meth:`~ecekern.plan.StepPlan.describe`), with the EquivariantLinears' kernel
+    where the stack runs them; ``""`` for a peer."""
     from .. import linear
+    from ..model import unwrap
 
-    pos = inputs[0]
     try:
-        w = model.interactions[0].gated[0].weight
-        n_ang, _, F = w.shape
-        x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
-        p = linear.plan_of(x, w, options.linear_path())
-        plan = p.path + (f"/{p.kernel}" if p.kernel else "")
-    except (AttributeError, IndexError):
-        plan = ""
-    zonal = "fused" if options.zonal_fused(pos.device.type) else "reference"
-    edge = options.edge_frame_path(pos.device.type)
-    cohorts = options.cohorts_on(pos.device.type)
-    return {"linear": plan, "edge_frame": edge, "zonal": zonal, "cohorts": cohorts}
+        m = unwrap(model)
+    except TypeError:
+        return ""
+    pos = inputs[0]
+    plan = m.plan(pos.device, pos.dtype)
+    text = plan.describe()
+    if plan.stack == "linears":
+        w = m.interactions[0].gated[0].weight if m.config.n_gated else None
+        if w is not None:
+            n_ang, _, F = w.shape
+            x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
+            p = linear.plan_of(x, w, plan.linear)
+            kernel = p.path + (f"/{p.kernel}" if p.kernel else "")
+            text = text.replace(f"linear={plan.linear}", f"linear={kernel}")
+    return text
 
 
-def _row(table, label, model, inputs, n_atoms, rep_ms, info, extra=None) -> None:
+def _row(table, label, model, inputs, rep_ms, info, plan="", **extra) -> None:
     """Time one row's force step; a failure is a row with its error (and a line in
     the manifest)."""
-    dtype = inputs[0].dtype
+    mode = "replay" if label in REPLAYED else "eager"
     try:
-        row = force_row(
-            label, model, inputs, dtype, extra, rep_ms, forward=False, key="system",
-            replay=label in REPLAYED,
-        )  # fmt: skip
+        row = force_row(label, model, inputs, plan, mode, rep_ms, **extra)
     except Exception as exc:
-        key = f"progress: {label}, {n_atoms} atoms, {bench.dtype_label(dtype)}"
-        info[key] = f"failed: {exc!r}"[:500]
-        row = error_row(exc, dtype, system=label, n_atoms=n_atoms)
+        n, precision = inputs[0].shape[0], bench.dtype_label(inputs[0].dtype)
+        info[f"progress: {label}, {n} atoms, {precision}"] = f"failed: {exc!r}"[:500]
+        row = step_error(exc, label, inputs, plan, mode)
     table.add(row)
 
 
@@ -211,14 +207,13 @@ def capture(
             try:
                 for label, opts in OURS.items():
                     with options.use(**opts) as now:
-                        extra = {"options": repr(now), **_paths(model, inputs)}
                         if label == "library defaults":
                             info["library_defaults"] = repr(now)
-                        extra["mode"] = "replay" if label in REPLAYED else "eager"
-                        _row(table, label, model, inputs, n, rep_ms, info, extra)
+                        plan = _paths(model, inputs)
+                        _row(table, label, model, inputs, rep_ms, info, plan)
                     free()
                 for label, peer in peers:
-                    _row(table, label, peer, inputs, n, rep_ms, info)
+                    _row(table, label, peer, inputs, rep_ms, info)
                     free()
             finally:
                 bench.set_tf32(False)
@@ -251,20 +246,19 @@ def capture(
                     continue
                 bench.set_tf32(tf32)
                 try:
-                    with options.use(**opts) as now:
+                    with options.use(**opts):
                         torch._dynamo.reset()  # a fresh compile: static shapes
                         compiled = torch.compile(model)
                         t0 = time.perf_counter()
                         force_step(compiled, *inputs)
                         _sync(dev)
                         last_compile = time.perf_counter() - t0
-                        extra = {"options": repr(now), **_paths(model, inputs)}
-                        extra["compile_s"] = last_compile
-                        _row(table, label, compiled, inputs, n, rep_ms, info, extra)
+                        plan = _paths(model, inputs)
+                        _row(table, label, compiled, inputs, rep_ms, info, plan,
+                             compile_s=last_compile)  # fmt: skip
                 except Exception as exc:
                     info[key] = f"failed: {exc!r}"[:500]
-                    dtype = torch.float32
-                    table.add(error_row(exc, dtype, system=label, n_atoms=n))
+                    table.add(step_error(exc, label, inputs))
                 finally:
                     bench.set_tf32(False)
                     compiled = None

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from pathlib import Path
 
 import torch
 
 from .. import bench, options
-from .common import force_row, free, parse_parts, print_row, profile_table, run_ncu
+from . import schema
+from .common import force_row, free, profile_table, run_ncu
 
-__all__ = ["PEERS", "capture", "peer_models"]
+__all__ = ["PARTS", "PEERS", "peer_models"]
 
-PARTS = ("reference", "profiles", "peers", "ncu", "scaling", "progress")
-DEFAULT_PARTS = "reference,profiles,peers,ncu,scaling"
+#: The options of every measurement of the reference.
+REFERENCE = {"reference": True}
 
 
 def _e3nn(cfg, dev: str):
@@ -67,49 +67,25 @@ def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"
         yield label, model
 
 
-def _boxes(boxes: str | None, quick: bool) -> list[int]:
-    return (
-        [int(b) for b in boxes.split(",")] if boxes else ([2, 4] if quick else [4, 8])
-    )
+def _boxes(run) -> list[int]:
+    """``--boxes`` (diamond repeats), else 2 and 4 with ``--quick``, else 4 and 8."""
+    if run.boxes:
+        return [int(b) for b in run.boxes.split(",")]
+    return [2, 4] if run.quick else [4, 8]
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = DEFAULT_PARTS,
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 1: the reference force step, by stage, against size, and the peers.
+def _progress(run, arg: str) -> dict:
+    """progress.csv and stages.csv (:func:`ecekern.captures.progress.capture`);
+    ``progress=SECONDS``: its time budget."""
+    from . import progress
 
-    ``parts`` (comma-separated) selects what to run; each part writes its own files:
-    ``reference`` -> force_step.csv, ``profiles`` -> profile_*, ``peers`` ->
-    peers.csv, ``ncu`` -> ncu_force_step.csv, ``scaling`` -> scaling.csv,
-    ``progress`` (or ``progress=SECONDS``, its time budget) -> progress.csv and
-    stages.csv (:func:`ecekern.captures.progress.capture`). ``boxes``: diamond
-    repeats, e.g. ``4,8``.
-    """
-    todo = parse_parts(parts, PARTS)
-    info: dict = {"parts": sorted(todo)}
-    reps = _boxes(boxes, quick)
-    if "progress" in todo:
-        from . import progress
+    budget = float(arg) if arg else None
+    return progress.capture(run.out, _boxes(run), quick=run.quick, budget_s=budget)
 
-        budget = float(todo["progress"]) if todo["progress"] else None
-        info |= progress.capture(out, reps, quick=quick, budget_s=budget)
-    if "reference" in todo:
-        _reference(out, reps)
-    if "profiles" in todo:
-        _profiles(out, reps)
-    if "peers" in todo:
-        _peers(out, reps, info)
-    if ncu and "ncu" in todo:
-        info["ncu_force_step"] = run_ncu(
-            "force_step", out / "ncu_force_step.csv", timeout=180
-        )
-    if "scaling" in todo:
-        _scaling(out, quick, info)
-    return info
+
+def _ncu(run, arg: str) -> dict:
+    out = run.out / "ncu_force_step.csv"
+    return {"ncu_force_step": run_ncu("force_step", out, timeout=180)}
 
 
 def _inputs(rep: int, dtype: torch.dtype):
@@ -121,13 +97,14 @@ def _inputs(rep: int, dtype: torch.dtype):
     return cfg, prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
 
 
-def _reference(out: Path, boxes: list[int]) -> None:
-    """The reference at the standard boxes: strict fp32, fp32 + TF32, fp64."""
+def _reference(run, arg: str) -> str:
+    """force_step.csv: the reference at the standard boxes, strict fp32, fp32 +
+    TF32, fp64, with its forward alone and the graph's build time."""
     import ecekern
     from ecekern.model import prepare_inputs
 
     rows = []
-    for rep in boxes:
+    for rep in _boxes(run):
         for dtype, tf32 in [
             (torch.float32, False),
             (torch.float32, True),
@@ -141,29 +118,29 @@ def _reference(out: Path, boxes: list[int]) -> None:
                 torch.cuda.synchronize()
                 g_ms = (time.perf_counter() - t0) * 1e3
                 model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
-                with options.use(reference=True):
-                    row = force_row(
-                        "reference", model, inputs, dtype, {"graph_ms_wall": g_ms}
-                    )
+                with options.use(**REFERENCE):
+                    row = force_row("reference", model, inputs, schema.plan(REFERENCE),
+                                    forward=True, graph_ms_wall=g_ms)  # fmt: skip
                 rows.append(row)
-                print_row(row)
-                bench.write_csv(rows, out / "force_step.csv")
+                schema.write(rows, run.out / "force_step.csv")
             finally:
                 bench.set_tf32(False)
                 model = inputs = None
                 free()
+    return "done"
 
 
-def _profiles(out: Path, boxes: list[int]) -> None:
+def _profiles(run, arg: str) -> str:
     """Profiles of the strict-fp32 reference: the force step and the forward."""
     import ecekern
     from ecekern.model import force_step
 
-    for rep in boxes:
+    out = run.out
+    for rep in _boxes(run):
         cfg, inputs = _inputs(rep, torch.float32)
         model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
         n = inputs[0].shape[0]
-        with options.use(reference=True):
+        with options.use(**REFERENCE):
             profile_table(
                 lambda m=model, i=inputs: force_step(m, *i), out, f"profile_step_{n}"
             )
@@ -173,56 +150,58 @@ def _profiles(out: Path, boxes: list[int]) -> None:
                 )
         model = inputs = None
         free()
+    return "done"
 
 
-def _peers(out: Path, boxes: list[int], info: dict) -> None:
+def _peers(run, arg: str) -> dict:
     """The peers at the same width and degree, strict fp32: the reference under
     ``torch.compile`` (a fresh compile per box: static shapes, as a user with one
     system has), e3nn's and cuEquivariance's tensor-product convolutions."""
     import ecekern
     from ecekern.model import force_step
 
-    rows = []
-    for rep in boxes:
+    rows, info, out = [], {}, run.out / "peers.csv"
+    compiled_plan = schema.plan({**REFERENCE, "compile": True})
+    for rep in _boxes(run):
         cfg, inputs = _inputs(rep, torch.float32)
         model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
         try:
-            with options.use(reference=True):
+            with options.use(**REFERENCE):
                 torch._dynamo.reset()
                 compiled = torch.compile(model)
                 t0 = time.perf_counter()
                 force_step(compiled, *inputs)
                 torch.cuda.synchronize()
-                extra = {"compile_s": time.perf_counter() - t0}
+                compile_s = time.perf_counter() - t0
                 name = "reference + torch.compile"
-                rows.append(force_row(name, compiled, inputs, torch.float32, extra))
-            print_row(rows[-1])
-            bench.write_csv(rows, out / "peers.csv")
+                rows.append(force_row(name, compiled, inputs, compiled_plan,
+                                      forward=True, compile_s=compile_s))  # fmt: skip
+            schema.write(rows, out)
         except Exception as exc:
             info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
         model = compiled = None
         free()
         for name, peer in peer_models(cfg, torch.float32, info, f"box {rep}"):
             try:
-                rows.append(force_row(name, peer, inputs, torch.float32))
-                print_row(rows[-1])
-                bench.write_csv(rows, out / "peers.csv")
+                rows.append(force_row(name, peer, inputs, forward=True))
+                schema.write(rows, out)
             except Exception as exc:
                 info[f"{name}: box {rep}"] = f"failed: {exc!r}"[:500]
             peer = None
             free()
         inputs = None
         free()
-    bench.write_csv(rows, out / "peers.csv")
+    schema.write(rows, out)
+    return info
 
 
-def _scaling(out: Path, quick: bool, info: dict) -> None:
+def _scaling(run, arg: str) -> dict:
     """Time and peak memory against system size, strict fp32, until memory runs
     out or the time budget is spent."""
     import ecekern
 
-    rows = []
-    reps = [2, 3, 4] if quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
+    rows, info = [], {}
+    reps = [2, 3, 4] if run.quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
     t_start = time.time()
     for rep in reps:
         if time.time() - t_start > 240:
@@ -231,27 +210,29 @@ def _scaling(out: Path, quick: bool, info: dict) -> None:
         try:
             cfg, inputs = _inputs(rep, torch.float32)
             model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-            with options.use(reference=True):
-                row = force_row(
-                    "reference",
-                    model,
-                    inputs,
-                    torch.float32,
-                    rep_ms=200.0 if rep < 10 else 50.0,
-                )
+            with options.use(**REFERENCE):
+                rep_ms = 200.0 if rep < 10 else 50.0
+                row = force_row("reference", model, inputs, schema.plan(REFERENCE),
+                                rep_ms=rep_ms, forward=True)  # fmt: skip
             rows.append(row)
-            bench.write_csv(rows, out / "scaling.csv")
-            print(
-                "scale",
-                rep,
-                f"{row['step_ms']:.1f} ms",
-                f"{row['peak_mem_MiB']:.0f} MiB",
-                flush=True,
-            )
+            schema.write(rows, run.out / "scaling.csv")
         except torch.cuda.OutOfMemoryError:
             info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
             break
         finally:
             model = inputs = None
             free()
-    bench.write_csv(rows, out / "scaling.csv")
+    schema.write(rows, run.out / "scaling.csv")
+    return info
+
+
+PARTS = {
+    "progress": _progress,
+    "reference": _reference,
+    "profiles": _profiles,
+    "peers": _peers,
+    "ncu": _ncu,
+    "scaling": _scaling,
+}
+DEFAULT = "reference,profiles,peers,ncu,scaling"
+GPU_ONLY = tuple(PARTS)

@@ -25,24 +25,22 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
+from . import schema
 from .common import (
     LaunchCase,
     ceilings,
-    device,
     error_row,
+    force_row,
     free,
     launch_sweep,
     launch_to_json,
     launches_env,
-    parse_parts,
     profile_table,
     rel_err_gpu,
     run_ncu,
 )
 
-__all__ = ["capture", "launch_label"]
-
-PARTS = ("launch", "sweep", "steps", "ncu")
+__all__ = ["PARTS", "launch_label"]
 
 
 def launch_label(launch) -> str:
@@ -53,41 +51,35 @@ def launch_label(launch) -> str:
     )
 
 
-def capture(
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str = "launch,sweep,steps,ncu",
-    boxes: str | None = None,
-) -> dict:
-    """Chapter 5 (module docstring). On a CPU the launch sweep and the sweep run at
-    tiny sizes in Triton's interpreter, as a smoke test."""
+def notes(run) -> dict:
+    """The manifest's notes before any part runs: the library's launch."""
     from .. import zonal
 
-    todo = parse_parts(parts, PARTS)
-    dev = device()
-    library = zonal.ZonalLaunch()
-    info: dict = {"parts": sorted(todo), "config": launch_label(library)}
-    chosen = library
-    if "launch" in todo:
-        chosen = _launch(out, quick, dev)
-        info["launch"] = launch_label(chosen)
-        if chosen != library:
-            info["launch_note"] = "the sweep's fastest differs from the library's"
-    if "sweep" in todo:
-        _sweep(out, quick, dev)
-    if "steps" in todo:
-        if dev == "cuda":
-            _model_steps(out, quick)
-        else:
-            info["model_steps"] = "skipped: no GPU"
-    if dev == "cuda" and ncu and "ncu" in todo:
-        launches = [launch_to_json("zonal", chosen)]
-        if chosen != library:
-            launches.append(launch_to_json("zonal", library))
-        env = launches_env("ECEKERN_CAPTURE_ZONAL", launches)
-        info["ncu_fused"] = run_ncu("zonal_fused", out / "ncu_fused.csv", env=env)
-    return info
+    return {"config": launch_label(zonal.ZonalLaunch())}
+
+
+def _launch_part(run, arg: str) -> dict:
+    from .. import zonal
+
+    chosen = _launch(run.out, run.quick, run.dev)
+    note = {
+        "launch": launch_label(chosen),
+        "launch_json": launch_to_json("zonal", chosen),
+    }
+    if chosen != zonal.ZonalLaunch():
+        note["launch_note"] = "the sweep's fastest differs from the library's"
+    return note
+
+
+def _ncu(run, arg: str) -> dict:
+    from .. import zonal
+
+    library = launch_to_json("zonal", zonal.ZonalLaunch())
+    launches = [run.info.get("launch_json", library)]
+    if launches[0] != library:
+        launches.append(library)
+    env = launches_env("ECEKERN_CAPTURE_ZONAL", launches)
+    return {"ncu_fused": run_ncu("zonal_fused", run.out / "ncu_fused.csv", env=env)}
 
 
 # --------------------------------------------------------------------------------------
@@ -192,11 +184,12 @@ def _cases(quick: bool, dev: str) -> list[tuple[int, int, int]]:
     )
 
 
-def _sweep(out: Path, quick: bool, dev: str) -> None:
+def _sweep(run, arg: str) -> str:
     """Rows of scatter_sweep.csv."""
     from .. import reference, zonal
     from ..graph import csr_row_ptr
 
+    out, quick, dev = run.out, run.quick, run.dev
     ceil = ceilings()
     label = launch_label(zonal.ZonalLaunch())
     rows: list[dict] = []
@@ -305,7 +298,7 @@ def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> dict:
         "forward_b2b_p10_ms": b_f.p10 if b_f else nan,
         "forward_b2b_p90_ms": b_f.p90 if b_f else nan,
         "fwd_bwd_b2b_ms": b_fb.median if b_fb else nan,
-        "peak_mem_MiB": mem / 2**20,
+        "peak_MiB": mem / 2**20,
         "rel_err_vs_fp64": err,
     }
 
@@ -313,61 +306,57 @@ def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> dict:
 # --------------------------------------------------------------------------------------
 # model steps
 # --------------------------------------------------------------------------------------
-def _model_steps(out: Path, quick: bool) -> None:
-    """The force step and the force-training step of the model, reference scatter
-    against the fused op, strict fp32, the linear on the einsum: time, peak memory,
-    and a profiler table of each at the larger box."""
+#: The options of the steps: the reference scatter against the fused op, the linear
+#: on the einsum (only the scatter changes).
+STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
+    scatter: {"linear": "einsum", "zonal": scatter, "stack": "linears",
+              "memory": "plain"}
+    for scatter in ("reference", "fused")
+}  # fmt: skip
+
+
+def _train(model, pos, numbers, graph):
+    """A force-training step: the loss of the energy and the forces, backward."""
+    from ecekern.model import force_step
+
+    model.zero_grad(set_to_none=True)
+    e, f = force_step(model, pos, numbers, graph, create_graph=True)
+    (e**2 + (f**2).sum()).backward()
+
+
+def _model_steps(run, arg: str) -> str:
+    """model_steps.csv (step schema, ``kind``: force or training step): the reference
+    scatter against the fused op, strict fp32: time, peak memory, and a profiler
+    table of each at the larger box."""
     import ecekern
     from ecekern import zonal
     from ecekern.model import force_step, prepare_inputs
 
-    cfg = ecekern.ECEConfig()
+    cfg, out = ecekern.ECEConfig(), run.out
     rows = []
-    boxes = [2] if quick else [4, 8]
+    boxes = [2] if run.quick else [4, 8]
     label = launch_label(zonal.ZonalLaunch())
-
-    def train(model, pos, numbers, graph):
-        model.zero_grad(set_to_none=True)
-        e, f = force_step(model, pos, numbers, graph, create_graph=True)
-        (e**2 + (f**2).sum()).backward()
-
     for rep in boxes:
         model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        pos, numbers, graph = prepare_inputs(
+        inputs = prepare_inputs(
             ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
         )
-        for scatter in ("reference", "fused"):
-            with options.use(linear="einsum", zonal=scatter):
-                for kind, fn in (("force step", force_step), ("training step", train)):
-                    step = lambda fn=fn: fn(model, pos, numbers, graph)
-                    t = bench.time_fn(step, rep_ms=400.0)
-                    mem = bench.peak_memory(step)
-                    rows.append(
-                        {
-                            "kind": kind,
-                            "scatter": scatter,
-                            "n_atoms": pos.shape[0],
-                            "n_edges": graph.n_edges,
-                            "step_ms": t.median,
-                            "step_p10_ms": t.p10,
-                            "step_p90_ms": t.p90,
-                            "reps": t.n,
-                            "peak_mem_MiB": mem / 2**20,
-                            "config": label if scatter == "fused" else "",
-                            **bench.provenance(torch.float32),
-                        }
-                    )
-                    print(
-                        kind,
-                        scatter,
-                        pos.shape[0],
-                        f"{t.median:.2f} ms",
-                        f"{mem / 2**20:.0f} MiB",
-                        flush=True,
-                    )
-                    bench.write_csv(rows, out / "model_steps.csv")
+        n = inputs[0].shape[0]
+        for scatter, opts in STEP_OPTIONS.items():
+            with options.use(**opts):
+                for kind, fn in (("force step", force_step), ("training step", _train)):
+                    config = label if scatter == "fused" else ""
+                    plan = schema.plan(opts)
+                    rows.append(force_row(scatter, model, inputs, plan, step=fn,
+                                          kind=kind, config=config))  # fmt: skip
+                    schema.write(rows, out / "model_steps.csv")
                     if rep == boxes[-1]:
-                        stem = f"profile_{kind.split()[0]}_{pos.shape[0]}_{scatter}"
-                        profile_table(step, out, stem)
-        model = pos = numbers = graph = None
+                        stem = f"profile_{kind.split()[0]}_{n}_{scatter}"
+                        profile_table(lambda fn=fn: fn(model, *inputs), out, stem)
+        model = inputs = None
         free()
+    return "done"
+
+
+PARTS = {"launch": _launch_part, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
+GPU_ONLY = ("steps", "ncu")

@@ -84,7 +84,7 @@ class Launch:
 #: Per dtype: inputs per K step (4 groups; a box row of x or W is 128 bytes), the
 #: largest K (W's slice, ``3 x BO x K``, and the rings of x share the SM's 227 KB of
 #: shared memory), the launch, and the launch past ``TWO_MAX_K``, where two rings no
-#: longer fit beside W (offline sm_90 builds: ``python -m ecekern.captures.registers
+#: longer fit beside W (offline sm_90 builds: ``python -m ecekern.tools.registers
 #: --linear-tc``). The launches are chapter 2's fastest.
 BLOCK_K = {dt: 4 * group_size(dt) for dt in (torch.bfloat16, torch.float32)}
 MAX_K = {torch.bfloat16: 256, torch.float32: 192}

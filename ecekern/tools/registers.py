@@ -6,11 +6,11 @@ what the cubin uses. A kernel that needs more than 255 registers per thread spil
 a per-thread stack in local memory (DRAM behind L1), which is what turns a register
 tile that is too large into a slow kernel.
 
-    python -m ecekern.captures.registers      # the zonal backward's launches, JSON
-    python -m ecekern.captures.registers --zonal-variants   # every zonal kernel
-    python -m ecekern.captures.registers --linear-layouts   # chapter 2's tile layouts
-    python -m ecekern.captures.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
-    python -m ecekern.captures.registers --linear-tc   # the tensor-core kernel
+    python -m ecekern.tools.registers      # the zonal backward's launches, JSON
+    python -m ecekern.tools.registers --zonal-variants   # every zonal kernel
+    python -m ecekern.tools.registers --linear-layouts   # chapter 2's tile layouts
+    python -m ecekern.tools.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
+    python -m ecekern.tools.registers --linear-tc   # the tensor-core kernel
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).

@@ -1,0 +1,1 @@
+"""Offline tools: programs that inspect the library's kernels without a GPU."""
