@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,7 +45,9 @@ from . import cohorts, edge_frame, options, zonal
 from ._triton import why_not_triton
 from .linear.triton_modes import MAX_N_ANG
 
-__all__ = ["Shapes", "StepPlan", "plan_for"]
+__all__ = ["Shapes", "StepPlan", "plan_for", "resolve"]
+
+log = logging.getLogger(__name__)
 
 #: The stack implementations that run kernels inside cohorts.
 KERNEL_STACKS = ("layers", "fused")
@@ -178,7 +181,14 @@ def stack_precision(precision: str) -> str:
 def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
     """The plan for plain values (:func:`plan_for` gathers them): a device type and
     capability, a dtype, the TF32 switch, :class:`Shapes` and
-    :class:`~ecekern.options.Options`. Cached."""
+    :class:`~ecekern.options.Options`. Cached; each new plan is logged once (logger
+    ``ecekern.plan``, level INFO)."""
+    plan = _resolve(device_type, capability, dtype, tf32, shapes, opts)
+    log.info("ecekern step plan:\n%r", plan)
+    return plan
+
+
+def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
     fall: list[tuple[str, str, str]] = []
     notes: list[tuple[str, str]] = []
     native = _native(device_type, dtype, tf32)

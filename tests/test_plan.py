@@ -212,3 +212,12 @@ def test_set_options_is_scoped_to_its_thread():
     finally:
         options.reset()
     assert previous == token_before and options.current() == Options()
+
+
+def test_a_new_plan_is_logged_once(caplog):
+    opts = dict(cohort_edges=12345, memory="keep")  # a plan no other test makes
+    with caplog.at_level("INFO", logger="ecekern.plan"):
+        resolve("cpu", **opts)
+        resolve("cpu", **opts)
+    said = [r.getMessage() for r in caplog.records if r.name == "ecekern.plan"]
+    assert len(said) == 1 and "cohorts of 12345 edges" in said[0]
