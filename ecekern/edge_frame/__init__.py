@@ -164,10 +164,11 @@ class Frames:
 
     def rotate_and_select(self, h, rho=None, planes: bool = False):
         """``(x_cos, x_sin)`` as :func:`ecekern.reference.rotate_and_select`, each
-        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given. With
-        ``planes``, the two are the views ``P[:, 0]`` and ``P[:, 1]`` (permuted to
-        ``(E, F, n_ang)``) of one ``P (n_ang, 2, E, F)``: the layout chapter 6's
-        layer kernels read, so the mixing stack takes them without a copy."""
+        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given: the
+        views ``X[0]``, ``X[1]`` of one contiguous ``X (2, E, F, n_ang)``, or with
+        ``planes`` the views ``P[:, 0]`` and ``P[:, 1]`` (permuted to ``(E, F,
+        n_ang)``) of one ``P (n_ang, 2, E, F)``: the layout chapter 6's layer
+        kernels read, so the mixing stack takes them without a copy."""
         _check_h(h, self.n_nodes, self.L)
         reference._same("h", h, D=self.d)
         _check_rho(h, rho, self.d.shape[0], self.L)
