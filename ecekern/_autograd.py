@@ -16,8 +16,9 @@ ops, in eager mode and while compiling alike (no second path for either):
   two row tensors that share storage, the cos and sin of a planes pair
   (:mod:`ecekern._planes`), leave the op as the one tensor that holds both, and the
   Function returns the two views.
-* Launch configurations are not op arguments: an op takes the fields it needs as
-  ints.
+* Launch configurations (dataclasses) are not op arguments: an op takes the fields
+  it needs as ints (edge frames), or runs the library's launch (zonal; its launchers
+  take ``launch=`` for the captures' sweeps, outside the ops).
 * The ops carry no autograd formula (no ``register_autograd``); the Function's
   ``backward`` calls the backward ops. Three things need the Function: (1) it gets
   each output's gradient as it comes, so a planes pair's two cotangents reach the
@@ -28,11 +29,11 @@ ops, in eager mode and while compiling alike (no second path for either):
   (a second derivative) it picks a differentiable formula: the ops' own Functions
   again (zonal, linear) or differentiable PyTorch (:func:`torch_grads`, edge frames).
 
-Under ``torch.compile`` Dynamo traces the Functions, and the ops are the graph's
-leaves. A graph node's ``needs_input_grad`` still says True for every parameter that
-requires grad; :func:`engine_uses` asks the running engine instead, in eager mode
-(the engine's plan is not traceable: compiled backwards compute every gradient asked
-for).
+Under ``torch.compile`` Dynamo traces the Functions; the ops are the graph's nodes
+(inductor inlines a ``triton_op``'s launches, a ``custom_op`` stays one call). A
+Function's ``needs_input_grad`` says True for every parameter that requires grad;
+:func:`engine_uses` asks the running engine instead, in eager mode (the engine's plan
+is not traceable: compiled backwards compute every gradient asked for).
 """
 
 from __future__ import annotations
