@@ -419,7 +419,7 @@ def _scatter_fake(Z, R, dst, row_ptr, scale):
 
 
 @library_op("zonal_scatter_fwd", _scatter_fake)
-def _scatter_op(
+def _scatter_lib(
     Z: torch.Tensor,
     R: torch.Tensor,
     dst: torch.Tensor,
@@ -434,7 +434,7 @@ def _gather_fake(G, Z, R, dst, row_ptr, scale):
 
 
 @library_op("zonal_edge_gather", _gather_fake)
-def _gather_op(
+def _gather_lib(
     G: torch.Tensor,
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -452,7 +452,7 @@ class _ScatterFn(torch.autograd.Function):
     def forward(ctx, Z, R, dst, row_ptr, scale):
         ctx.save_for_backward(Z, R, dst, row_ptr)
         ctx.scale = scale
-        return _scatter_op(Z, R, dst, row_ptr, scale)
+        return _scatter_lib(Z, R, dst, row_ptr, scale)
 
     @staticmethod
     def backward(ctx, G):
@@ -469,7 +469,7 @@ class _GatherFn(torch.autograd.Function):
     def forward(ctx, G, Z, R, dst, row_ptr, scale):
         ctx.save_for_backward(G, Z, R, dst, row_ptr)
         ctx.scale = scale
-        return _gather_op(G, Z, R, dst, row_ptr, scale)
+        return _gather_lib(G, Z, R, dst, row_ptr, scale)
 
     @staticmethod
     def backward(ctx, gZ, gR):
@@ -482,6 +482,18 @@ class _GatherFn(torch.autograd.Function):
         # dZ' = k sum_c G R'  with R' = gR; dR' = k sum_{s in l} G Z' with Z' = gZ
         dZ, dR = _GatherFn.apply(G, gZ, gR, dst, row_ptr, k)
         return dG, dZ, dR, None, None, None
+
+
+def _scatter_op(Z, R, dst, row_ptr, scale: float) -> torch.Tensor:
+    """The fused scatter past :func:`zonal_scatter`'s checks and fallback,
+    differentiable (what the captures time); Z, R, dst and row_ptr contiguous."""
+    return _ScatterFn.apply(Z, R, dst, row_ptr, scale)
+
+
+def _gather_op(G, Z, R, dst, row_ptr, scale: float):
+    """The fused gather ``(dZ, dR)`` (the scatter's backward) past the checks,
+    differentiable; G, Z, R, dst and row_ptr contiguous."""
+    return _GatherFn.apply(G, Z, R, dst, row_ptr, scale)
 
 
 # --------------------------------------------------------------------------------------

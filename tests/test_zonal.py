@@ -113,8 +113,8 @@ def test_custom_ops_pass_opcheck_and_compile():
     args = (Z.detach(), R.detach(), dst, row_ptr, 0.5)
     G = torch.randn(4, 9, 5, dtype=Z.dtype, device=Z.device)
     # schema, fake implementation and AOT dispatch of both ops
-    torch.library.opcheck(zonal._scatter_op, args)
-    torch.library.opcheck(zonal._gather_op, (G, *args))
+    torch.library.opcheck(zonal._scatter_lib, args)
+    torch.library.opcheck(zonal._gather_lib, (G, *args))
     # fullgraph: the public function must trace without a graph break (its CSR value
     # checks, which need host syncs, are skipped while tracing)
     f = torch.compile(
