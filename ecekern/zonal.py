@@ -33,38 +33,22 @@ has no reduction across edges), fp64 (fp64 accumulation), fp32/bf16/fp16 (fp32
 accumulation), L = 1..4, any C (padded to a power of two and masked), int64 offsets,
 nodes with no edges, E = 0, any strides (the index tensors are made contiguous).
 Registered as ``torch.library`` ops (``ecekern::zonal_scatter_fwd``,
-``ecekern::zonal_edge_gather``) with fake implementations and autograd: ``triton_op`` on
-the GPU, so inductor traces the Triton launches inside; custom ops in the interpreter.
+``ecekern::zonal_edge_gather``) with fake implementations, ``triton_op`` on the GPU so
+that inductor traces the Triton launches inside, custom ops in the interpreter; two
+autograd Functions around them (:mod:`ecekern._autograd`'s style: the ops in eager
+mode and while compiling, autograd in the Functions), each backward calling the two
+Functions again.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import options, reference
-from ._triton import AVAILABLE, INTERPRET, split_scale, tl, triton, why_not_triton
-
-#: How the two ops are registered with ``torch.library`` (``ECEKERN_ZONAL_OP``):
-#: ``triton_op`` (the default: inductor traces the Triton launches inside) or
-#: ``custom_op`` (opaque to inductor). ``triton_op`` needs real Triton on a GPU; in
-#: the interpreter, or without Triton, the ops are always custom ops.
-REGISTRATION = os.environ.get("ECEKERN_ZONAL_OP", "triton_op")
-if REGISTRATION not in ("custom_op", "triton_op"):
-    raise ValueError(f"ECEKERN_ZONAL_OP={REGISTRATION!r}: custom_op or triton_op")
-if REGISTRATION == "triton_op" and AVAILABLE and not INTERPRET:
-    from torch.library import triton_op, wrap_triton
-else:
-    REGISTRATION = "custom_op"
-
-    def triton_op(name, mutates_args):
-        return torch.library.custom_op(name, mutates_args=mutates_args)
-
-    def wrap_triton(kernel):
-        return kernel
-
+from ._autograd import library_op, wrap_triton
+from ._triton import INTERPRET, split_scale, tl, triton, why_not_triton
 
 __all__ = ["ZonalLaunch", "why_not", "zonal_scatter"]
 
@@ -426,10 +410,16 @@ def zonal_edge_gather(
 
 
 # --------------------------------------------------------------------------------------
-# torch.library ops and their autograd: each derivative is one of the two ops again
+# torch.library ops, and the autograd Functions around them: each derivative is one of
+# the two Functions again
 # --------------------------------------------------------------------------------------
-@triton_op("ecekern::zonal_scatter_fwd", mutates_args=())
-def _scatter_op(
+def _scatter_fake(Z, R, dst, row_ptr, scale):
+    E, L, C = R.shape
+    return Z.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
+
+
+@library_op("zonal_scatter_fwd", _scatter_fake)
+def _scatter_lib(
     Z: torch.Tensor,
     R: torch.Tensor,
     dst: torch.Tensor,
@@ -439,14 +429,12 @@ def _scatter_op(
     return zonal_scatter_fwd(Z, R, row_ptr, scale)
 
 
-@_scatter_op.register_fake
-def _(Z, R, dst, row_ptr, scale):
-    E, L, C = R.shape
-    return Z.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
+def _gather_fake(G, Z, R, dst, row_ptr, scale):
+    return Z.new_empty(Z.shape), R.new_empty(R.shape)
 
 
-@triton_op("ecekern::zonal_edge_gather", mutates_args=())
-def _gather_op(
+@library_op("zonal_edge_gather", _gather_fake)
+def _gather_lib(
     G: torch.Tensor,
     Z: torch.Tensor,
     R: torch.Tensor,
@@ -457,41 +445,55 @@ def _gather_op(
     return zonal_edge_gather(G, Z, R, dst, row_ptr, scale)
 
 
-@_gather_op.register_fake
-def _(G, Z, R, dst, row_ptr, scale):
-    return Z.new_empty(Z.shape), R.new_empty(R.shape)
+class _ScatterFn(torch.autograd.Function):
+    """``(Z, R) -> h0`` by the scatter op; its backward is the gather."""
+
+    @staticmethod
+    def forward(ctx, Z, R, dst, row_ptr, scale):
+        ctx.save_for_backward(Z, R, dst, row_ptr)
+        ctx.scale = scale
+        return _scatter_lib(Z, R, dst, row_ptr, scale)
+
+    @staticmethod
+    def backward(ctx, G):
+        Z, R, dst, row_ptr = ctx.saved_tensors
+        dZ, dR = _GatherFn.apply(G.contiguous(), Z, R, dst, row_ptr, ctx.scale)
+        return dZ, dR, None, None, None
 
 
-def _scatter_setup(ctx, inputs, output):
-    Z, R, dst, row_ptr, scale = inputs
-    ctx.save_for_backward(Z, R, dst, row_ptr)
-    ctx.scale = scale
+class _GatherFn(torch.autograd.Function):
+    """``(G, Z, R) -> (dZ, dR)`` by the gather op; bilinear, so its backward is two
+    scatters and a gather."""
+
+    @staticmethod
+    def forward(ctx, G, Z, R, dst, row_ptr, scale):
+        ctx.save_for_backward(G, Z, R, dst, row_ptr)
+        ctx.scale = scale
+        return _gather_lib(G, Z, R, dst, row_ptr, scale)
+
+    @staticmethod
+    def backward(ctx, gZ, gR):
+        G, Z, R, dst, row_ptr = ctx.saved_tensors
+        k = ctx.scale
+        gZ, gR = gZ.contiguous(), gR.contiguous()
+        dG = _ScatterFn.apply(gZ, R, dst, row_ptr, k) + _ScatterFn.apply(
+            Z, gR, dst, row_ptr, k
+        )
+        # dZ' = k sum_c G R'  with R' = gR; dR' = k sum_{s in l} G Z' with Z' = gZ
+        dZ, dR = _GatherFn.apply(G, gZ, gR, dst, row_ptr, k)
+        return dG, dZ, dR, None, None, None
 
 
-def _scatter_backward(ctx, G):
-    Z, R, dst, row_ptr = ctx.saved_tensors
-    dZ, dR = _gather_op(G.contiguous(), Z, R, dst, row_ptr, ctx.scale)
-    return dZ, dR, None, None, None
+def _scatter_op(Z, R, dst, row_ptr, scale: float) -> torch.Tensor:
+    """The fused scatter past :func:`zonal_scatter`'s checks and fallback,
+    differentiable (what the captures time); Z, R, dst and row_ptr contiguous."""
+    return _ScatterFn.apply(Z, R, dst, row_ptr, scale)
 
 
-def _gather_setup(ctx, inputs, output):
-    G, Z, R, dst, row_ptr, scale = inputs
-    ctx.save_for_backward(G, Z, R, dst, row_ptr)
-    ctx.scale = scale
-
-
-def _gather_backward(ctx, gZ, gR):
-    G, Z, R, dst, row_ptr = ctx.saved_tensors
-    k = ctx.scale
-    gZ, gR = gZ.contiguous(), gR.contiguous()
-    dG = _scatter_op(gZ, R, dst, row_ptr, k) + _scatter_op(Z, gR, dst, row_ptr, k)
-    # dZ' = k sum_c G R'  with R' = gR; dR' = k sum_{s in l} G Z' with Z' = gZ
-    dZ, dR = _gather_op(G, gZ, gR, dst, row_ptr, k)
-    return dG, dZ, dR, None, None, None
-
-
-_scatter_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
-_gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+def _gather_op(G, Z, R, dst, row_ptr, scale: float):
+    """The fused gather ``(dZ, dR)`` (the scatter's backward) past the checks,
+    differentiable; G, Z, R, dst and row_ptr contiguous."""
+    return _GatherFn.apply(G, Z, R, dst, row_ptr, scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -530,7 +532,7 @@ def zonal_scatter(
         return reference.zonal_scatter(Z, R, dst, row_ptr, scale, validate=False)
     # the kernels read the index tensors as contiguous (any strides for Z and R)
     dst, row_ptr = dst.contiguous(), row_ptr.contiguous()
-    return _scatter_op(Z.contiguous(), R.contiguous(), dst, row_ptr, float(scale))
+    return _ScatterFn.apply(Z.contiguous(), R.contiguous(), dst, row_ptr, float(scale))
 
 
 def traffic(E: int, N: int, L: int, C: int, elem_size: int) -> dict:

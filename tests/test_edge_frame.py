@@ -535,3 +535,92 @@ def test_gpu_compiled_model_with_the_edge_frame_kernels_equals_eager():
     torch._dynamo.reset()
     # fp32: inductor reorders the sums around the kernels (measured 3.7e-5 on forces)
     assert rel_err(ec, e) < 1e-5 and rel_err(fc, f) < 2e-4
+
+
+# --------------------------------------------------------------------------------------
+# torch.library ops and torch.compile
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("row_ptr_given", [True, False], ids=["csr", "perm"])
+def test_library_ops_pass_opcheck(row_ptr_given):
+    """The four ops: schema, fake implementation (shapes and strides of the outputs,
+    the planes layout included) and AOT dispatch, against the kernels (custom ops in
+    the interpreter; the same fakes serve the triton_ops on a GPU)."""
+    from ecekern.edge_frame import autograd as efa
+    from ecekern.edge_frame.launch import rows_views
+
+    L, M = 2, 1
+    leaves, (src, dst, row_ptr) = _inputs(9, 4, L, M, 2, 3)
+    h, D, rho, yc, ys, w = (t.detach() for t in leaves)
+    fr = edge_frame.Frames(D, M, src, dst, 4, row_ptr if row_ptr_given else None)
+    la, meta = fr.launch, (L, M, fr.packed)
+    assert (fr.csr[1] is None) == row_ptr_given
+    for planes, r in ((False, rho), (True, rho), (False, None)):
+        args = (h, fr.d, fr.tab, r, *fr.csr, *meta, planes)
+        launch = (la.rotate_block, la.rotate_warps)
+        torch.library.opcheck(efa._rotate_op, (*args, *launch))
+        X = efa._rotate_op(*args, *launch)
+        gc, gs = (torch.randn_like(t) for t in rows_views(X, planes))
+        bwd = (gc, gs, h, fr.d, fr.tab, r, *fr.csr, *meta)
+        launch = (la.rotate_bwd_block, la.rotate_bwd_warps)
+        torch.library.opcheck(efa._rotate_bwd_op, (*bwd, *launch))
+    if not row_ptr_given:
+        return
+    Y = torch.stack([yc, ys], 1).permute(3, 1, 0, 2).contiguous()  # planes (NA,2,E,F)
+    pair = (Y[:, 0].permute(1, 2, 0), Y[:, 1].permute(1, 2, 0))
+    G = torch.randn(4, (L + 1) ** 2, 3, dtype=h.dtype, device=h.device)
+    for y, ww, need in (((yc, ys), w, (True, True)), (pair, None, (False, True))):
+        args = (*y, fr.d, fr.tab, ww, row_ptr, 0.37, *meta)
+        torch.library.opcheck(
+            efa._unrotate_op, (*args, la.unrotate_block, la.unrotate_warps)
+        )
+        launch = (la.unrotate_bwd_block, la.unrotate_bwd_warps)
+        torch.library.opcheck(
+            efa._unrotate_bwd_op, (G, *args[:7], *meta, *need, *launch)
+        )
+
+
+def _compiled_vs_eager(backend, dtype, tol, L=2, M=2):
+    """A small function of the ops (rotation in both layouts, unrotation with its
+    aggregation) compiled with ``backend``, fullgraph, against eager: values and the
+    first derivatives of every input (D's through the :class:`Frames` built outside,
+    in eager mode, as the model's step builds them once)."""
+    leaves, (src, dst, row_ptr) = _inputs(41, 7, L, M, 3, 2, dtype=dtype)
+    h, D, rho, yc, ys, w = leaves
+
+    def f(fr, h, rho, yc, ys, w):
+        x = fr.rotate_and_select(h, rho)
+        xp = fr.rotate_and_select(h, rho, planes=True)
+        out = fr.unrotate_and_aggregate(yc, ys, 0.37, w)
+        return (*x, *xp, out)
+
+    def run(fn):
+        fr = edge_frame.Frames(D, M, src, dst, 7, row_ptr)
+        outs = fn(fr, h, rho, yc, ys, w)
+        g = torch.Generator().manual_seed(4)
+        gs = [torch.randn(t.shape, generator=g).to(t) for t in outs]
+        return (*outs, *torch.autograd.grad(outs, leaves, gs))
+
+    torch._dynamo.reset()
+    try:
+        got = run(torch.compile(f, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    want = run(f)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape and rel_err(a, b) < tol, (i, rel_err(a, b))
+
+
+def test_compiled_matches_eager_through_the_ops():
+    """Traced by Dynamo and AOT autograd (``aot_eager``: the ops are the graph's
+    leaves, run by the interpreter here), fullgraph: the same numbers."""
+    _compiled_vs_eager("aot_eager", torch.float64, 1e-13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"]
+)
+def test_gpu_inductor_compile_matches_eager(dtype, tol):
+    """``torch.compile`` with inductor (the ops are triton_ops there: inductor traces
+    the launches), fullgraph: values and first derivatives as in eager."""
+    _compiled_vs_eager("inductor", dtype, tol)

@@ -28,8 +28,8 @@ def _args(B, K, O, n_ang, dtype=torch.float64, seed=0, bias=True, lead=()):
     ]
 
 
-def _run(path, args, seed=1):
-    y = linear.equivariant_linear(*args, path=path)
+def _run(path, args, seed=1, fn=None):
+    y = linear.equivariant_linear(*args, path=path) if fn is None else fn(*args)
     g = torch.Generator().manual_seed(seed)
     gy = [
         torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype)
@@ -461,3 +461,51 @@ def test_the_kept_transposed_weight_skips_inference_tensors():
         w = torch.randn(3, 6, 5)
     assert torch.equal(autograd.w_t_copy(w), w.transpose(1, 2))
     assert id(w) not in autograd._W_T
+
+
+# --------------------------------------------------------------------------------------
+# the torch.library op and torch.compile
+# --------------------------------------------------------------------------------------
+def test_the_kernel_op_passes_opcheck():
+    """``ecekern::linear_kernel`` (opaque everywhere): schema, fake implementation
+    and AOT dispatch, forward and transposed (the input backward), with and without
+    a bias."""
+    xc, _, w, b = (t.detach() for t in _args(5, 4, 6, 3))
+    g = torch.randn(5, 6, 3, dtype=xc.dtype, device=xc.device)
+    torch.library.opcheck(autograd._kernel_op, (xc, w, b, False, False))
+    torch.library.opcheck(autograd._kernel_op, (xc, w, None, False, False))
+    torch.library.opcheck(autograd._kernel_op, (g, w, None, False, True))
+
+
+def _compiled_vs_eager(backend, dtype, tol, B, K, O, n_ang):
+    """The triton path compiled with ``backend``, fullgraph, against eager: y and the
+    first derivatives of x, W and the bias."""
+    args = [t.detach().to(dtype).requires_grad_() for t in _args(B, K, O, n_ang)]
+    f = lambda *a: linear.equivariant_linear(*a, path="triton")
+    torch._dynamo.reset()
+    try:
+        got = _run(None, args, fn=torch.compile(f, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    want = _run(None, args, fn=f)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == dtype and rel_err(a, b) < tol, (i, rel_err(a, b))
+
+
+def test_compiled_matches_eager_through_the_op():
+    """Traced by Dynamo and AOT autograd (``aot_eager``: the op is a leaf of the
+    graph, run by the interpreter here), fullgraph: the same numbers."""
+    _compiled_vs_eager("aot_eager", torch.float64, 1e-13, 7, 5, 6, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+    ids=["fp64-triton", "fp32-gluon-fma", "bf16-gluon-tc"],
+)
+def test_gpu_inductor_compile_matches_eager(dtype, tol):
+    """``torch.compile`` with inductor, fullgraph: the op stays opaque (inductor
+    generates no code for the Gluon kernels), values and first derivatives as in
+    eager, at a shape each kernel serves (B, K, O = 600, 192, 192, n_ang = 3)."""
+    _compiled_vs_eager("inductor", dtype, tol, 600, 192, 192, 3)

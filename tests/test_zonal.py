@@ -110,11 +110,11 @@ def test_gradcheck_and_gradgradcheck():
 
 def test_custom_ops_pass_opcheck_and_compile():
     Z, R, dst, row_ptr = _inputs(12, 4, 2, 5)
-    torch.library.opcheck(
-        zonal._scatter_op,
-        (Z.detach(), R.detach(), dst, row_ptr, 0.5),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+    args = (Z.detach(), R.detach(), dst, row_ptr, 0.5)
+    G = torch.randn(4, 9, 5, dtype=Z.dtype, device=Z.device)
+    # schema, fake implementation and AOT dispatch of both ops
+    torch.library.opcheck(zonal._scatter_lib, args)
+    torch.library.opcheck(zonal._gather_lib, (G, *args))
     # fullgraph: the public function must trace without a graph break (its CSR value
     # checks, which need host syncs, are skipped while tracing)
     f = torch.compile(

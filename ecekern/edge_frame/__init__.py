@@ -51,6 +51,12 @@ D must be block-diagonal over degrees (a Wigner matrix): the entries off the
 blocks are not read and get no gradient. Half precisions fall back to the reference,
 loudly (not validated: the two side launches would round dh and dP to 16 bits between
 them).
+
+The four kernels run inside four ``torch.library`` ops, in eager mode and under
+``torch.compile`` alike (``triton_op`` on a GPU, so inductor traces the launches;
+custom ops in the interpreter), with the autograd in two Functions around them
+(:mod:`.autograd`, :mod:`ecekern._autograd`'s style). A :class:`Frames` with another
+:class:`EdgeFrameLaunch` passes its fields to the ops as ints.
 """
 
 from __future__ import annotations
@@ -116,7 +122,8 @@ class Frames:
         row_ptr: the CSR pointer of ``dst`` when the edges are sorted by destination
             (the model's graph); None builds a permutation (sorted by ``dst``).
         variant: ``"packed"`` or ``"table"``.
-        launch: the kernels' :class:`EdgeFrameLaunch`.
+        launch: the kernels' :class:`EdgeFrameLaunch` (None: the library's,
+            ``launch.LAUNCH``).
         validate: check the index values (host synchronisations): src and dst in
             [0, N), row_ptr the CSR pointer of dst. The model's graph is consistent by
             construction and skips them.
@@ -128,13 +135,14 @@ class Frames:
 
     def __init__(self, D, mmax: int, src, dst, n_nodes: int, row_ptr=None,
                  variant: str = "packed",
-                 launch: EdgeFrameLaunch = LAUNCH,
+                 launch: EdgeFrameLaunch | None = None,
                  validate: bool = True):  # fmt: skip
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         L = _check_graph(D, mmax, src, dst, n_nodes, row_ptr, validate)
         self.L, self.M, self.n_nodes = L, mmax, int(n_nodes)
-        self.packed, self.launch = variant == "packed", launch
+        self.packed = variant == "packed"
+        self.launch = LAUNCH if launch is None else launch
         self.variant = variant
         self.src, self.dst = src.contiguous(), dst.contiguous()
         self.d = pack(D, mmax) if self.packed else D.contiguous()
@@ -156,10 +164,11 @@ class Frames:
 
     def rotate_and_select(self, h, rho=None, planes: bool = False):
         """``(x_cos, x_sin)`` as :func:`ecekern.reference.rotate_and_select`, each
-        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given. With
-        ``planes``, the two are the views ``P[:, 0]`` and ``P[:, 1]`` (permuted to
-        ``(E, F, n_ang)``) of one ``P (n_ang, 2, E, F)``: the layout chapter 6's
-        layer kernels read, so the mixing stack takes them without a copy."""
+        feature row ``c*(L+1) + l`` times ``rho[:, c*(L+1) + l]`` when given: the
+        views ``X[0]``, ``X[1]`` of one contiguous ``X (2, E, F, n_ang)``, or with
+        ``planes`` the views ``P[:, 0]`` and ``P[:, 1]`` (permuted to ``(E, F,
+        n_ang)``) of one ``P (n_ang, 2, E, F)``: the layout chapter 6's layer
+        kernels read, so the mixing stack takes them without a copy."""
         _check_h(h, self.n_nodes, self.L)
         reference._same("h", h, D=self.d)
         _check_rho(h, rho, self.d.shape[0], self.L)

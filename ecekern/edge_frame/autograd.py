@@ -1,6 +1,16 @@
-"""The edge-frame ops' autograd: the same maths in differentiable PyTorch (second
-derivatives, and a cross-check), the ``torch.library`` ops that keep the kernels
-opaque to inductor, and the two autograd Functions."""
+"""The edge-frame ops' autograd, in :mod:`ecekern._autograd`'s style: four
+``torch.library`` ops, one per kernel launcher (``triton_op`` on a GPU, so inductor
+traces the launches; custom ops in the interpreter), called in eager mode and while
+compiling alike, and two autograd Functions around them; plus the same maths in
+differentiable PyTorch (the second derivatives, and a cross-check).
+
+The rotation's op returns the one tensor that holds x_cos and x_sin (a planes tensor
+with ``planes=True``), and its Function returns the two views; the Function's
+backward gets their gradients as they come (a planes pair's, read in place). The
+unrotation's backward op returns dy the same way. With grad mode on in a backward (a
+second derivative) the Functions differentiate :func:`rotate_torch` and
+:func:`unrotate_torch` instead.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +19,18 @@ import math
 import torch
 
 from .. import reference
+from .._autograd import library_op, torch_grads
 from ..so3 import lm_tables
-from .launch import pack, rotate_bwd, rotate_fwd, unrotate_bwd, unrotate_fwd
+from .launch import (
+    EdgeFrameLaunch,
+    pack,
+    planes_strided,
+    rotate_grads,
+    rotate_rows,
+    rows_views,
+    unrotate_grads,
+    unrotate_node_rows,
+)
 
 
 def _degree_onehot(L: int, like: torch.Tensor) -> torch.Tensor:
@@ -40,7 +60,16 @@ def unrotate_torch(yc, ys, d, mmax: int, packed: bool):
     return torch.einsum("estm,sl,etclm->esc", P, _degree_onehot(L, P), y)
 
 
-@torch.library.custom_op("ecekern::edge_frame_rotate", mutates_args=())
+# --------------------------------------------------------------------------------------
+# torch.library ops: one per launcher; the launch's fields are ints
+# --------------------------------------------------------------------------------------
+def _rotate_fake(h, d, tab, rho, ptr_dst, perm_dst, ptr_src, perm_src, L, M, packed,
+                 planes, block, warps):  # fmt: skip
+    E, F, NA = d.shape[0], 2 * h.shape[2] * (L + 1), M + 1
+    return h.new_empty((NA, 2, E, F) if planes else (2, E, F, NA))
+
+
+@library_op("edge_frame_rotate", _rotate_fake)
 def _rotate_op(
     h: torch.Tensor,
     d: torch.Tensor,
@@ -53,18 +82,21 @@ def _rotate_op(
     L: int,
     M: int,
     packed: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    planes: bool,
+    block: int,
+    warps: int,
+) -> torch.Tensor:
     csr = (ptr_dst, perm_dst, ptr_src, perm_src)
-    return rotate_fwd(h, d, tab, rho, csr, L, M, packed)
+    return rotate_rows(h, d, tab, rho, csr, L, M, packed, block, warps, planes)
 
 
-@_rotate_op.register_fake
-def _(h, d, tab, rho, ptr_dst, perm_dst, ptr_src, perm_src, L, M, packed):
-    shape = (d.shape[0], 2 * h.shape[2] * (L + 1), M + 1)
-    return h.new_empty(shape), h.new_empty(shape)
+def _rotate_bwd_fake(gc, gs, h, d, tab, rho, ptr_dst, perm_dst, ptr_src, perm_src,
+                     L, M, packed, block, warps):  # fmt: skip
+    n_rho = (d.shape[0], 2 * h.shape[2] * (L + 1)) if rho is not None else (0,)
+    return h.new_empty(h.shape), d.new_empty(d.shape), h.new_empty(n_rho)
 
 
-@torch.library.custom_op("ecekern::edge_frame_rotate_bwd", mutates_args=())
+@library_op("edge_frame_rotate_bwd", _rotate_bwd_fake)
 def _rotate_bwd_op(
     gc: torch.Tensor,
     gs: torch.Tensor,
@@ -79,19 +111,22 @@ def _rotate_bwd_op(
     L: int,
     M: int,
     packed: bool,
+    block: int,
+    warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dh, dd, drho)``, drho empty ``(0,)`` without rho."""
     csr = (ptr_dst, perm_dst, ptr_src, perm_src)
-    dh, dd, drho = rotate_bwd(gc, gs, h, d, tab, rho, csr, L, M, packed)
+    dh, dd, drho = rotate_grads(gc, gs, h, d, tab, rho, csr, L, M, packed, block,
+                                warps)  # fmt: skip
     return dh, dd, drho if drho is not None else h.new_empty(0)
 
 
-@_rotate_bwd_op.register_fake
-def _(gc, gs, h, d, tab, rho, ptr_dst, perm_dst, ptr_src, perm_src, L, M, packed):
-    n_rho = (d.shape[0], 2 * h.shape[2] * (L + 1)) if rho is not None else (0,)
-    return h.new_empty(h.shape), d.new_empty(d.shape), h.new_empty(n_rho)
+def _unrotate_fake(yc, ys, d, tab, w, row_ptr, scale, L, M, packed, block, warps):
+    C = yc.shape[1] // (L + 1)
+    return yc.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
 
 
-@torch.library.custom_op("ecekern::edge_frame_unrotate", mutates_args=())
+@library_op("edge_frame_unrotate", _unrotate_fake)
 def _unrotate_op(
     yc: torch.Tensor,
     ys: torch.Tensor,
@@ -103,17 +138,23 @@ def _unrotate_op(
     L: int,
     M: int,
     packed: bool,
+    block: int,
+    warps: int,
 ) -> torch.Tensor:
-    return unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale, L, M, packed)
+    return unrotate_node_rows(yc, ys, d, tab, w, row_ptr, scale, L, M, packed,
+                              block, warps)  # fmt: skip
 
 
-@_unrotate_op.register_fake
-def _(yc, ys, d, tab, w, row_ptr, scale, L, M, packed):
-    C = yc.shape[1] // (L + 1)
-    return yc.new_empty((row_ptr.shape[0] - 1, (L + 1) ** 2, C))
+def _unrotate_bwd_fake(G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed, need_d,
+                       need_w, block, warps):  # fmt: skip
+    E, F, NA = yc.shape
+    planes = planes_strided(yc, ys)
+    dY = yc.new_empty((NA, 2, E, F) if planes else (2, E, F, NA))
+    dd = d.new_empty(d.shape if need_d else (0,))
+    return dY, dd, yc.new_empty((E,) if need_w and w is not None else (0,))
 
 
-@torch.library.custom_op("ecekern::edge_frame_unrotate_bwd", mutates_args=())
+@library_op("edge_frame_unrotate_bwd", _unrotate_bwd_fake)
 def _unrotate_bwd_op(
     G: torch.Tensor,
     yc: torch.Tensor,
@@ -126,32 +167,31 @@ def _unrotate_bwd_op(
     L: int,
     M: int,
     packed: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dyc, dys, dd, dw = unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed)
-    return dyc, dys, dd, dw if dw is not None else yc.new_empty(0)
+    need_d: bool,
+    need_w: bool,
+    block: int,
+    warps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dY, dd, dw)``: :func:`~ecekern.edge_frame.launch.unrotate_grads`."""
+    return unrotate_grads(G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed,
+                          need_d, need_w, block, warps)  # fmt: skip
 
 
-@_unrotate_bwd_op.register_fake
-def _(G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed):
-    n_w = (yc.shape[0],) if w is not None else (0,)
-    return (
-        yc.new_empty(yc.shape),
-        ys.new_empty(ys.shape),
-        d.new_empty(d.shape),
-        (yc.new_empty(n_w)),
-    )
-
-
+# --------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------
 class _RotateFn(torch.autograd.Function):
-    """``(h, d, rho) -> (x_cos, x_sin)``; the graph's index tensors ride along."""
+    """``(h, d, rho) -> (x_cos, x_sin)``, the two views of the op's one rows tensor;
+    the graph's index tensors ride along."""
 
     @staticmethod
-    def forward(ctx, h, d, rho, tab, src, dst, csr, L, M, packed, launch, planes):
+    def forward(ctx, h, d, rho, tab, src, dst, csr, L, M, packed,
+                launch: EdgeFrameLaunch, planes):  # fmt: skip
         ctx.save_for_backward(h, d, rho, tab, src, dst, *csr)
         ctx.meta = (L, M, packed, launch, csr[1] is None)
-        if torch.compiler.is_compiling():
-            return _rotate_op(h, d, tab, rho, *csr, L, M, packed)
-        return rotate_fwd(h, d, tab, rho, csr, L, M, packed, launch, planes)
+        X = _rotate_op(h, d, tab, rho, *csr, L, M, packed, planes,
+                       launch.rotate_block, launch.rotate_warps)  # fmt: skip
+        return rows_views(X, planes)
 
     @staticmethod
     def backward(ctx, gc, gs):
@@ -160,16 +200,14 @@ class _RotateFn(torch.autograd.Function):
         if no_dst_perm:
             csr[1] = None
         if torch.is_grad_enabled():  # a second derivative: differentiable PyTorch
-            return (*_torch_grads(
+            return (*torch_grads(
                 lambda h, d, rho: rotate_torch(h, d, rho, src, dst, M, packed),
                 (h, d, rho), ctx.needs_input_grad[:3], (gc, gs),
             ), *(None,) * 9)  # fmt: skip
-        if torch.compiler.is_compiling():
-            gc, gs = gc.contiguous(), gs.contiguous()
-            dh, dd, drho = _rotate_bwd_op(gc, gs, h, d, tab, rho, *csr, L, M, packed)
-        else:  # any strides (a planes pair from chapter 6's kernels as it is)
-            dh, dd, drho = rotate_bwd(gc, gs, h, d, tab, rho, csr, L, M, packed,
-                                      launch)  # fmt: skip
+        # any strides (a planes pair from chapter 6's kernels as it is)
+        dh, dd, drho = _rotate_bwd_op(gc, gs, h, d, tab, rho, *csr, L, M, packed,
+                                      launch.rotate_bwd_block,
+                                      launch.rotate_bwd_warps)  # fmt: skip
         return dh, dd, drho if rho is not None else None, *(None,) * 9
 
 
@@ -177,13 +215,12 @@ class _UnrotateFn(torch.autograd.Function):
     """``(y_cos, y_sin, d, w) -> Delta``; edges dst-sorted with ``row_ptr``."""
 
     @staticmethod
-    def forward(ctx, yc, ys, d, w, tab, dst, row_ptr, scale, L, M, packed, launch):
+    def forward(ctx, yc, ys, d, w, tab, dst, row_ptr, scale, L, M, packed,
+                launch: EdgeFrameLaunch):  # fmt: skip
         ctx.save_for_backward(yc, ys, d, w, tab, dst, row_ptr)
         ctx.meta = (scale, L, M, packed, launch)
-        if torch.compiler.is_compiling():
-            yc, ys = yc.contiguous(), ys.contiguous()
-            return _unrotate_op(yc, ys, d, tab, w, row_ptr, scale, L, M, packed)
-        return unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale, L, M, packed, launch)
+        return _unrotate_op(yc, ys, d, tab, w, row_ptr, scale, L, M, packed,
+                            launch.unrotate_block, launch.unrotate_warps)  # fmt: skip
 
     @staticmethod
     def backward(ctx, G):
@@ -196,33 +233,15 @@ class _UnrotateFn(torch.autograd.Function):
                 msg = unrotate_torch(yc, ys, d, M, packed)
                 return reference.aggregate(msg, dst, N, scale, w)
 
-            grads = _torch_grads(fn, (yc, ys, d, w), ctx.needs_input_grad[:4], (G,))
+            grads = torch_grads(fn, (yc, ys, d, w), ctx.needs_input_grad[:4], (G,))
             return (*grads, *(None,) * 8)
-        G = G.contiguous()
         need_d, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        if torch.compiler.is_compiling():
-            yc, ys = yc.contiguous(), ys.contiguous()
-            dyc, dys, dd, dw = _unrotate_bwd_op(
-                G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed
-            )
-        else:
-            dyc, dys, dd, dw = unrotate_bwd(
-                G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed, need_d, need_w,
-                launch,
-            )  # fmt: skip
-        return dyc, dys, dd, dw if need_w else None, *(None,) * 8
-
-
-def _torch_grads(fn, inputs, needs, grads):
-    """The gradients of ``fn(*inputs)`` against ``grads``, differentiable (for a
-    second derivative); None where not needed."""
-    want = [t for t, need in zip(inputs, needs) if need and t is not None]
-    with torch.enable_grad():
-        out = fn(*inputs)
-        out = out if isinstance(out, tuple) else (out,)
-        got = torch.autograd.grad(out, want, grads, create_graph=True,
-                                  allow_unused=True)  # fmt: skip
-    it = iter(got)
-    return tuple(
-        next(it) if need and t is not None else None for t, need in zip(inputs, needs)
-    )
+        dY, dd, dw = _unrotate_bwd_op(
+            G.contiguous(), yc, ys, d, tab, w, row_ptr, scale, L, M, packed, need_d,
+            need_w, launch.unrotate_bwd_block, launch.unrotate_bwd_warps,
+        )  # fmt: skip
+        # dy laid out as the op wrote it: a planes pair where y is one
+        planes = planes_strided(yc, ys)
+        dyc, dys = rows_views(dY, planes)
+        return (dyc, dys, dd if need_d else None, dw if need_w else None,
+                *(None,) * 8)  # fmt: skip

@@ -1,5 +1,10 @@
 """Launchers of the edge-frame kernels: the launch, the row tables, the packed tile
-(:func:`pack`) and one function per kernel that allocates and launches."""
+(:func:`pack`) and one function per kernel that allocates and launches.
+
+The rotation's rows and the unrotation's row gradients are written into one tensor
+that holds both, cos and sin (:func:`rows_tensor`): ``*_rows`` return that tensor
+(what the library ops return: their outputs may not alias each other), the public
+launchers its two views (:func:`rows_views`)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._planes import as_planes, planes_pair
+from .._autograd import wrap_triton
 from .._triton import split_scale, tl, triton
 from ..so3 import lm_tables, table_mode
 from .kernels import (
@@ -111,13 +116,31 @@ def _meta(L: int, M: int, C: int) -> dict:
     }
 
 
-def rows_pair(E: int, F: int, NA: int, like: torch.Tensor, planes: bool):
-    """Two ``(E, F, n_ang)`` row tensors (cos, sin): contiguous, or with ``planes``
-    a planes pair (:func:`ecekern._planes.planes_pair`), the layout chapter 6's
-    layer kernels read."""
+def rows_tensor(E: int, F: int, NA: int, like: torch.Tensor, planes: bool,
+                zero: bool = False) -> torch.Tensor:  # fmt: skip
+    """The one tensor that holds two ``(E, F, n_ang)`` row tensors (cos, sin):
+    ``(2, E, F, n_ang)``, or with ``planes`` the planes ``(n_ang, 2, E, F)``
+    (:func:`ecekern._planes.planes_pair`), the layout chapter 6's layer kernels read;
+    zero-filled with ``zero``."""
+    shape = (NA, 2, E, F) if planes else (2, E, F, NA)
+    return like.new_zeros(shape) if zero else like.new_empty(shape)
+
+
+def rows_views(X: torch.Tensor, planes: bool):
+    """The cos and sin rows ``(E, F, n_ang)`` of :func:`rows_tensor`'s ``X``."""
     if planes:
-        return planes_pair(like, E, F, NA)[1:]
-    return (like.new_empty((E, F, NA)), like.new_empty((E, F, NA)))
+        return X[:, 0].permute(1, 2, 0), X[:, 1].permute(1, 2, 0)
+    return X[0], X[1]
+
+
+def planes_strided(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether rows ``a``, ``b`` ``(E, F, n_ang)`` both have the element strides of
+    a contiguous planes pair, ``(F, 1, 2 E F)`` (the unrotation's backward then
+    writes dy as one, read by the same kernels); from the strides alone, so the same
+    while compiling."""
+    E, F, NA = a.shape
+    st = (F, 1, 2 * E * F)
+    return E > 0 and a.stride() == st and b.stride() == st
 
 
 def shared_strides(a: torch.Tensor, b: torch.Tensor):
@@ -128,35 +151,51 @@ def shared_strides(a: torch.Tensor, b: torch.Tensor):
     return a.contiguous(), b.contiguous()
 
 
-def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
-               launch: EdgeFrameLaunch = LAUNCH,
-               planes: bool = False):  # fmt: skip
-    """Launch the rotation, both sides: ``(x_cos, x_sin)``, each ``(E, 2C(L+1),
-    n_ang)``, contiguous or (``planes``) views of one planes tensor
-    (:func:`rows_pair`). ``csr = (ptr_dst, perm_dst or None, ptr_src,
-    perm_src)``."""
+def rotate_rows(h, d, tab, rho, csr, L: int, M: int, packed: bool,
+                block: int, warps: int, planes: bool) -> torch.Tensor:  # fmt: skip
+    """Launch the rotation, both sides, ``block`` edges per loop step: the one
+    :func:`rows_tensor` holding ``(x_cos, x_sin)``, each ``(E, 2C(L+1), n_ang)``.
+    ``csr = (ptr_dst, perm_dst or None, ptr_src, perm_src)``."""
     N, S, C = h.shape
     N, C = int(N), int(C)
     E = d.shape[0]
     F, NA = 2 * C * (L + 1), M + 1
-    xc, xs = rows_pair(E, F, NA, h, planes)
     if N == 0 or E == 0 or C == 0:
-        return xc.zero_(), xs.zero_()
+        return rows_tensor(E, F, NA, h, planes, zero=True)
+    X = rows_tensor(E, F, NA, h, planes)
+    xc, xs = rows_views(X, planes)
     rho_args = (rho, rho.stride(0), rho.stride(1)) if rho is not None else (h, 0, 0)
     ptr_dst, perm_dst, ptr_src, perm_src = csr
     for side, ptr, perm in ((0, ptr_dst, perm_dst), (1, ptr_src, perm_src)):
-        _rotate_fwd_kernel[(N,)](
+        wrap_triton(_rotate_fwd_kernel)[(N,)](
             h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr, xc, xs,
             E, C, rho_args[1], rho_args[2], *xc.stride(), **_meta(L, M, C),
-            BLOCK_E=launch.rotate_block, SIDE=side, PERM=perm is not None,
+            BLOCK_E=block, SIDE=side, PERM=perm is not None,
             PACKED=packed, HAS_RHO=rho is not None, ACC=_acc(h.dtype),
-            num_warps=launch.rotate_warps,
+            num_warps=warps,
         )  # fmt: skip
-    return xc, xs
+    return X
+
+
+def rotate_fwd(h, d, tab, rho, csr, L: int, M: int, packed: bool,
+               launch: EdgeFrameLaunch = LAUNCH,
+               planes: bool = False):  # fmt: skip
+    """:func:`rotate_rows` at ``launch``: ``(x_cos, x_sin)``, the two views of one
+    ``(2, E, F, n_ang)`` tensor, or (``planes``) of one planes tensor."""
+    X = rotate_rows(h, d, tab, rho, csr, L, M, packed, launch.rotate_block,
+                    launch.rotate_warps, planes)  # fmt: skip
+    return rows_views(X, planes)
 
 
 def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
                launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """:func:`rotate_grads` at ``launch``."""
+    return rotate_grads(gc, gs, h, d, tab, rho, csr, L, M, packed,
+                        launch.rotate_bwd_block, launch.rotate_bwd_warps)  # fmt: skip
+
+
+def rotate_grads(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
+                 block: int, warps: int):  # fmt: skip
     """Launch the merged backward, both sides: ``(dh, dd, drho or None)``; dd has
     d's shape (P's, or D's with zeros off the selected entries). ``gc, gs``: any
     strides, read as they are when they share them."""
@@ -174,14 +213,14 @@ def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
     rho_args = (rho, rho.stride(0), rho.stride(1)) if rho is not None else (h, 0, 0)
     ptr_dst, perm_dst, ptr_src, perm_src = csr
     for side, ptr, perm in ((0, ptr_dst, perm_dst), (1, ptr_src, perm_src)):
-        _rotate_bwd_kernel[(N,)](
+        wrap_triton(_rotate_bwd_kernel)[(N,)](
             gc, gs, h, d, tab, rho_args[0], ptr, perm if perm is not None else ptr,
             dh, dd, drho if drho is not None else dh,
             E, C, rho_args[1], rho_args[2], *gc.stride(), **_meta(L, M, C),
-            S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.rotate_bwd_block,
+            S_PAD=triton.next_power_of_2(S), BLOCK_E=block,
             SIDE=side, PERM=perm is not None, PACKED=packed,
             HAS_RHO=rho is not None, ACC=_acc(h.dtype),
-            num_warps=launch.rotate_bwd_warps,
+            num_warps=warps,
         )  # fmt: skip
     return dh, dd, drho
 
@@ -189,6 +228,13 @@ def rotate_bwd(gc, gs, h, d, tab, rho, csr, L: int, M: int, packed: bool,
 def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
                  packed: bool,
                  launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
+    """:func:`unrotate_node_rows` at ``launch``."""
+    return unrotate_node_rows(yc, ys, d, tab, w, row_ptr, scale, L, M, packed,
+                              launch.unrotate_block, launch.unrotate_warps)  # fmt: skip
+
+
+def unrotate_node_rows(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
+                       packed: bool, block: int, warps: int):  # fmt: skip
     """Launch the unrotation with the aggregation: ``Delta (N, S, C')``, one program
     per destination node; y of any strides (read as they are when cos and sin share
     them), edges dst-sorted."""
@@ -200,12 +246,12 @@ def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
     out = torch.empty((N, S, C), device=yc.device, dtype=yc.dtype)
     if N == 0 or C == 0:
         return out.zero_()
-    _unrotate_fwd_kernel[(N,)](
+    wrap_triton(_unrotate_fwd_kernel)[(N,)](
         yc, ys, d, tab, w if w is not None else yc, row_ptr, out,
         E, C, *split_scale(scale), *yc.stride(), **_meta(L, M, C),
-        S_PAD=triton.next_power_of_2(S), BLOCK_E=launch.unrotate_block,
+        S_PAD=triton.next_power_of_2(S), BLOCK_E=block,
         PACKED=packed, HAS_W=w is not None, ACC=_acc(yc.dtype),
-        num_warps=launch.unrotate_warps,
+        num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -213,33 +259,45 @@ def unrotate_fwd(yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
 def unrotate_bwd(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
                  packed: bool, need_d: bool = True, need_w: bool = True,
                  launch: EdgeFrameLaunch = LAUNCH):  # fmt: skip
-    """Launch the merged backward: ``(dy_cos, dy_sin, dd or None, dw or None)``;
-    dy in y's layout when y is a planes pair (:func:`rows_pair`), else
-    contiguous."""
+    """:func:`unrotate_grads` at ``launch``: ``(dy_cos, dy_sin, dd or None, dw or
+    None)``, dy the views of its one rows tensor."""
+    planes = planes_strided(yc, ys)
+    dY, dd, dw = unrotate_grads(G, yc, ys, d, tab, w, row_ptr, scale, L, M, packed,
+                                need_d, need_w, launch.unrotate_bwd_block,
+                                launch.unrotate_bwd_warps)  # fmt: skip
+    dyc, dys = rows_views(dY, planes)
+    return dyc, dys, dd if need_d else None, dw if need_w and w is not None else None
+
+
+def unrotate_grads(G, yc, ys, d, tab, w, row_ptr, scale: float, L: int, M: int,
+                   packed: bool, need_d: bool, need_w: bool, block: int,
+                   warps: int):  # fmt: skip
+    """Launch the merged backward: ``(dY, dd, dw)``, dY the one :func:`rows_tensor`
+    holding ``(dy_cos, dy_sin)``, a planes tensor when y's rows have a contiguous
+    planes pair's strides (:func:`planes_strided`), else ``(2, E, F, n_ang)`` (y then
+    read contiguous); dd (d's shape) and dw (w's) empty ``(0,)`` where not asked for
+    (``need_d``, ``need_w``) or w is None."""
     yc, ys = shared_strides(yc, ys)
     E = yc.shape[0]
     C = int(yc.shape[1]) // (L + 1)
     N = row_ptr.shape[0] - 1
     need_w = need_w and w is not None
-    P = as_planes(yc, ys)
-    planes = P is not None and P.is_contiguous()  # dy made alike: one set of strides
+    planes = planes_strided(yc, ys)
     if not planes:  # dy is written with y's strides: make them the rows'
         yc, ys = yc.contiguous(), ys.contiguous()
-    dyc, dys = rows_pair(E, yc.shape[1], yc.shape[2], yc, planes)
-    if planes:  # one fill for the pair (every row of an edge in a segment is set)
-        dyc.as_strided((2 * E * yc.shape[1] * yc.shape[2],), (1,)).zero_()
-    else:
-        dyc.zero_(), dys.zero_()
-    dd = torch.zeros_like(d) if need_d else None
-    dw = torch.zeros_like(w) if need_w else None
+    # one fill for the pair (every row of an edge in a segment is set)
+    dY = rows_tensor(E, yc.shape[1], yc.shape[2], yc, planes, zero=True)
+    dyc, dys = rows_views(dY, planes)
+    dd = torch.zeros_like(d) if need_d else d.new_empty(0)
+    dw = torch.zeros_like(w) if need_w else yc.new_empty(0)
     if N == 0 or E == 0 or C == 0:
-        return dyc, dys, dd, dw
-    _unrotate_bwd_kernel[(N,)](
+        return dY, dd, dw
+    wrap_triton(_unrotate_bwd_kernel)[(N,)](
         G, yc, ys, d, tab, w if w is not None else yc, row_ptr,
         dyc, dys, dd if need_d else dyc, dw if need_w else dyc,
         E, C, *split_scale(scale), *yc.stride(), **_meta(L, M, C),
-        BLOCK_E=launch.unrotate_bwd_block, PACKED=packed, HAS_W=w is not None,
+        BLOCK_E=block, PACKED=packed, HAS_W=w is not None,
         NEED_D=need_d, NEED_W=need_w, ACC=_acc(yc.dtype),
-        num_warps=launch.unrotate_bwd_warps,
+        num_warps=warps,
     )  # fmt: skip
-    return dyc, dys, dd, dw
+    return dY, dd, dw

@@ -25,7 +25,10 @@ the FMA units in strict fp32, memory-bound on the tensor cores.
 
 Status: every path matches the einsum in fp64 to 1e-12 (forward, first and second
 derivatives); fp32, TF32, bf16 and fp16 within the three-way rule; CUDA, and the CPU
-through Triton's interpreter; ``torch.compile`` sees the kernels as one opaque op.
+through Triton's interpreter. The triton path is :mod:`ecekern._autograd`'s style:
+its kernels run inside one opaque ``torch.library`` op (``ecekern::linear_kernel``) in
+eager mode and while compiling, with the autograd in a Function around it
+(:mod:`.autograd`); ``torch.compile`` sees that op as a leaf.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The triton path's autograd: the kernel call that the plan chose, and its Function.
+"""The triton path's autograd: the kernel call that the plan chose, as one
+``torch.library`` op, and the Function around it.
 
 Gradients (saved: x_cos, x_sin and W; nothing is recomputed)::
 
@@ -6,11 +7,15 @@ Gradients (saved: x_cos, x_sin and W; nothing is recomputed)::
     dW[m, o, i] = sum_b dy[b, o, m] x[b, i, m]    over cos and sin: dense.bwd_w_gemm
     dbias[o]    = sum_b dy_cos[b, o, 0]
 
-dW and dbias are skipped when the backward pass will not use them (a force step asks
-for positions only). With grad mode on in the backward (double backward) the backward
-is built from this Function (dx) and an einsum (dW), so it is differentiable again.
-Under ``torch.compile`` the kernels run inside one opaque ``torch.library`` op
-(``ecekern::linear_kernel``), so inductor never generates code for a Gluon kernel.
+:mod:`ecekern._autograd`'s style: the kernels run inside the op
+``ecekern::linear_kernel`` in eager mode and while compiling, and
+:class:`EquivariantLinearFn` holds the autograd. The op is a ``custom_op`` everywhere
+(opaque to inductor): it chooses its kernel at run time, and the Gluon kernels and
+the TMA descriptors cannot be traced. In eager mode the Function skips dW and dbias
+when the backward pass will not use them (``_autograd.engine_uses``: a force step
+asks for positions only); compiled, it computes the gradients asked for. With grad
+mode on in the backward (double backward) the backward is built from this Function
+(dx) and an einsum (dW), so it is differentiable again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from .. import options
 from .._autograd import engine_uses as _engine_uses
 from .._autograd import grad_node as _grad_node
+from .._autograd import library_op
 from .dense import bwd_w_gemm
 from .gluon_fma import FmaLaunch, fma_fwd
 from .gluon_tc import operand_reason, tc_fwd
@@ -77,6 +83,10 @@ def layout(x: torch.Tensor, w: torch.Tensor | None) -> tuple[bool, bool]:
     backward's kept W^T, always contiguous and aligned; x alone is checked): the
     layout half of the plan's key."""
     rows = x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    if torch.compiler.is_compiling():  # no addresses while tracing: alignment is
+        # assumed here; the op checks it when it runs (its plan is made then)
+        fit = w is None or (w.dtype == x.dtype and w.device == x.device)
+        return rows, fit and x.is_contiguous() and (w is None or w.is_contiguous())
     if w is None:
         return rows, x.is_contiguous() and x.data_ptr() % 16 == 0
     return rows, operand_reason(x, w) is None
@@ -110,7 +120,12 @@ def _kernel(x, weight, bias, tf32: bool, transposed: bool) -> torch.Tensor:
     return triton_fwd(x, w, bias, LAUNCH.get(key, LAUNCH["16bit"]), tf32)
 
 
-@torch.library.custom_op("ecekern::linear_kernel", mutates_args=())
+def _kernel_fake(x, weight, bias, tf32, transposed):
+    n_ang, O, K = weight.shape
+    return x.new_empty((x.shape[0], K if transposed else O, n_ang))
+
+
+@library_op("linear_kernel", _kernel_fake, opaque=True)
 def _kernel_op(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -121,21 +136,13 @@ def _kernel_op(
     return _kernel(x, weight, bias, tf32, transposed)
 
 
-@_kernel_op.register_fake
-def _(x, weight, bias, tf32, transposed):
-    n_ang, O, K = weight.shape
-    return x.new_empty((x.shape[0], K if transposed else O, n_ang))
-
-
 def run_kernel(x, weight, bias, tf32: bool, transposed: bool = False) -> torch.Tensor:
     """``y[b, o, m] = sum_k x[b, k, m] W[m, o, k] (+ bias at m = 0)`` for x ``(B, K,
     n_ang)`` (``transposed``: ``sum_k x[b, k, m] W[m, k, o]``, the input backward) by
-    the plan's kernel; y contiguous. Opaque to inductor while compiling."""
+    the plan's kernel, through the op ``ecekern::linear_kernel``; y contiguous."""
     if bias is not None:
         bias = bias.contiguous()  # the kernels read the bias as contiguous
-    if torch.compiler.is_compiling():
-        return _kernel_op(x, weight, bias, tf32, transposed)
-    return _kernel(x, weight, bias, tf32, transposed)
+    return _kernel_op(x, weight, bias, tf32, transposed)
 
 
 # --------------------------------------------------------------------------------------
