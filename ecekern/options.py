@@ -184,8 +184,8 @@ def _environment(environ) -> dict:
 
 
 #: ECEKERN_ variables read elsewhere: the captures' provenance and launches, and the
-#: zonal op's registration.
-_OTHER_VARIABLES = ("COMMIT", "CAPTURES", "CAPTURE_LINEAR", "CAPTURE_ZONAL", "ZONAL_OP")
+#: ops' registration (ecekern._autograd).
+_OTHER_VARIABLES = ("COMMIT", "CAPTURES", "CAPTURE_LINEAR", "CAPTURE_ZONAL", "OP")
 
 
 def _unknown_variables(environ) -> list[str]:
