@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export PYTHONHASHSEED := 0
 export OMP_NUM_THREADS := 2
 
-.PHONY: book test unit notebooks lint format newest captures clean
+.PHONY: book test unit slow notebooks lint format newest captures clean
 
 $(VENV)/.ready: requirements-cpu.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,8 +22,13 @@ book: $(VENV)/.ready
 ## every test: unit tests, nbval over every notebook, the book with -W, ruff
 test: $(VENV)/.ready unit notebooks book lint
 
+## the unit tests but the heavy interpreter cases (marked slow: the GPU run and
+## `make slow` execute them; every kernel keeps its float64 tests here)
 unit: $(VENV)/.ready
-	$(BIN)/pytest -n 2 -q tests
+	$(BIN)/pytest -n 2 -q -m "not slow" tests
+
+slow: $(VENV)/.ready
+	$(BIN)/pytest -n 2 -q -m slow tests
 
 notebooks: $(VENV)/.ready
 	$(BIN)/pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env \
@@ -43,7 +48,7 @@ newest:
 	    vesin-torch matplotlib scipy e3nn pytest pytest-xdist
 	$(NEWEST)/bin/python -m pip install -q --no-deps -e .
 	$(NEWEST)/bin/python -c "import torch, triton; print('newest:', torch.__version__, triton.__version__)"
-	$(NEWEST)/bin/pytest -n 2 -q -p no:cacheprovider tests
+	$(NEWEST)/bin/pytest -n 2 -q -p no:cacheprovider -m "not slow" tests
 
 format: $(VENV)/.ready
 	$(BIN)/ruff format .

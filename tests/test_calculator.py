@@ -105,7 +105,6 @@ def test_stress_is_the_strain_derivative(model, make):
 
 
 # 3. ----------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_nve_conserves_energy_with_second_order_error():
     """Velocity Verlet over the same 100 fs at dt = 1 fs (100 steps) and 0.5 fs (200
     steps). Same simulated time, because a symplectic integrator's energy error is
