@@ -189,18 +189,18 @@ def _edge_grads(
     l_idx,
     SM1,
     C,
-    scale_hi,
-    scale_lo,
-    stride_z_e,
-    stride_z_s,
-    stride_r_e,
-    stride_r_l,
-    stride_r_c,
+    scale,
+    stride_z,
+    stride_r,
     L: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
     """dZ and dR of one block of edges, given G at their destinations ``g``
-    (``[BLOCK_E, S_PAD, C_PAD]``)."""
+    (``[BLOCK_E, S_PAD, C_PAD]``); ``scale = (hi, lo)``, ``stride_z = (e, s)``,
+    ``stride_r = (e, l, c)``."""
+    scale_hi, scale_lo = scale[0], scale[1]
+    stride_z_e, stride_z_s = stride_z[0], stride_z[1]
+    stride_r_e, stride_r_l, stride_r_c = stride_r[0], stride_r[1], stride_r[2]
     mask3 = mask_e[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :]
     r = tl.load(
         r_ptr
@@ -303,13 +303,9 @@ def _zonal_gather_kernel(
         l_idx,
         SM1,
         C,
-        scale_hi,
-        scale_lo,
-        stride_z_e,
-        stride_z_s,
-        stride_r_e,
-        stride_r_l,
-        stride_r_c,
+        (scale_hi, scale_lo),
+        (stride_z_e, stride_z_s),
+        (stride_r_e, stride_r_l, stride_r_c),
         L,
         ACC_DTYPE,
     )
