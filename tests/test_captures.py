@@ -510,7 +510,7 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert [r["precision"] for r in rows] == ["float32"] * half + [
         "float32+tf32"
     ] * half
-    fused = {label for label, p in progress.CH6_STACKS if p.endswith("-stack")}
+    fused = {label for label, p in progress.CH6_STACKS if p["stack"] == "fused"}
     for r in rows:
         assert r["n_atoms"] == "8"
         assert r["mode"] == ("replay" if r["system"] in progress.REPLAYED else "eager")

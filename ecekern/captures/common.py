@@ -1,5 +1,7 @@
-"""What the chapters' captures share: Nsight Compute runs, profiler tables, error
-rows, the force-step row, and one launch sweep for every kernel's launch choices.
+"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`),
+profiler tables, the force-step row, one part that times the force step under a
+list of option dicts (:func:`option_steps`), and one launch sweep for every
+kernel's launch choices (:func:`launch_sweep`).
 
 Nothing here changes the library's state: a launch under test is a dataclass passed to
 the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
@@ -214,9 +216,8 @@ def force_row(
             with torch.no_grad():
                 model(pos, numbers, graph)
 
-        t_f = bench.time_fn(fwd, rep_ms=rep_ms)
-        extra = {"forward_ms": t_f.median, "forward_p10_ms": t_f.p10,
-                 "forward_p90_ms": t_f.p90, **extra}  # fmt: skip
+        extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
+                 **extra}  # fmt: skip
     t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=5)
     if forward:
         extra["backward_ms"] = t.median - extra["forward_ms"]

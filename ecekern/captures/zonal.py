@@ -143,17 +143,12 @@ def _launch(out: Path, quick: bool, dev: str):
 
     best = launch_sweep(cases, run, check, out / "launch_sweep.csv")
     chosen = zonal.ZonalLaunch()
-    if "forward" in best:
-        f = best["forward"].launch
-        chosen = dataclasses.replace(
-            chosen,
-            fwd_tile=f.fwd_tile,
-            fwd_warps=f.fwd_warps,
-            fwd_stages=f.fwd_stages,
-        )
-    if "backward" in best:
-        b = best["backward"].launch
-        chosen = dataclasses.replace(chosen, bwd_tile=b.bwd_tile, bwd_warps=b.bwd_warps)
+    fields = {"forward": ("fwd_tile", "fwd_warps", "fwd_stages"),
+              "backward": ("bwd_tile", "bwd_warps")}  # fmt: skip
+    for group, names in fields.items():
+        if group in best:
+            won = {k: getattr(best[group].launch, k) for k in names}
+            chosen = dataclasses.replace(chosen, **won)
     free()
     return chosen
 
