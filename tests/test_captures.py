@@ -10,7 +10,8 @@ INTERPRET = __import__("ecekern._triton")._triton.INTERPRET
 ROOT = captures.capture_root()
 #: The committed step-timing CSVs (step schema) and kernel-timing CSVs (kernel schema).
 STEP_CSVS = ("force_step", "peers", "scaling", "progress", "model_steps", "steps")
-KERNEL_CSVS = ("ceilings", "stack")
+KERNEL_CSVS = ("ceilings", "stack", "launch_sweep", "launch_sweep_4", "kernels",
+               "linear_sweep", "scatter_sweep")  # fmt: skip
 
 
 def _header(path):
@@ -57,7 +58,9 @@ def test_every_step_csv_has_the_step_schema():
         schema.check(rows, schema.KERNEL_COLUMNS)
         for r in rows:
             assert r["provenance"]["device"] == "NVIDIA H200", path
-            assert r["p10"] <= r["ms"] <= r["p90"] and r["n"] > 0, (path, r)
+            assert r.get("error") or (r["n"] > 0 and r["ms"] > 0), (path, r)
+            if r["p10"] != "":  # a row that failed, or timed by its median alone
+                assert r["p10"] <= r["ms"] <= r["p90"], (path, r)
 
 
 def test_no_capture_names_peak_memory_twice():
@@ -298,6 +301,12 @@ def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, toy_chapter):
         assert "methodology/rows.csv" in tar.getnames()
 
 
+def tmp_path_manifest(path):
+    """``path`` as a capture folder (an empty manifest) for :func:`captures.load`."""
+    (path / "manifest.json").write_text("{}")
+    return path
+
+
 @pytest.fixture
 def quick_timing(monkeypatch):
     """bench.time_fn with no warm-up and one timed call: the CPU smoke tests."""
@@ -319,7 +328,8 @@ def test_launch_sweep_keeps_the_fastest_correct_launch_per_group(tmp_path):
 
     def case(group, name, delay, err=0.0, fail=False):
         keys = {"variant": name}
-        return LaunchCase(group, (delay, err, fail), keys, columns={"E": 1})
+        return LaunchCase(group, (delay, err, fail), group, "E=1", 1, keys, nbytes=8e3,
+                          columns={"floor_ms": 0.5})  # fmt: skip
 
     cases = [
         case("a", "slow", 0.004),
@@ -345,10 +355,15 @@ def test_launch_sweep_keeps_the_fastest_correct_launch_per_group(tmp_path):
         cases, run, lambda c, out: out, tmp_path / "sweep.csv", timer=host_time
     )
     assert {g: c.keys["variant"] for g, c in best.items()} == {"a": "fast", "b": "only"}
-    rows = _rows(tmp_path / "sweep.csv")
+    assert _header(tmp_path / "sweep.csv")[:11] == list(schema.KERNEL_COLUMNS[:-1])
+    rows = captures.load("x", tmp_path_manifest(tmp_path)).csv("sweep")
+    schema.check(rows, schema.KERNEL_COLUMNS)
     assert [r["variant"] for r in rows] == ["slow", "fast", "wrong", "raises", "only"]
-    assert "out of resources" in rows[3]["error"] and not rows[3]["time_ms"]
-    assert rows[0]["E"] == "1" and float(rows[0]["time_ms"]) >= 4.0
+    assert "out of resources" in rows[3]["error"] and rows[3]["ms"] == ""
+    assert [r["kernel"] for r in rows] == ["a", "a", "a", "b", "b"]
+    assert rows[0]["n"] == 1 and rows[0]["ms"] >= 4.0 and rows[0]["floor_ms"] == 0.5
+    assert rows[0]["GBps"] == pytest.approx(8e3 / rows[0]["ms"] / 1e6)
+    assert rows[2]["rel_err_vs_fp64"] == 1.0 and rows[0]["provenance"]["torch"]
 
 
 def test_launches_go_to_nsight_compute_as_json():
@@ -444,23 +459,27 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, quick_
     sweep = "linear_sweep" if chapter == "02_linear" else "scatter_sweep"
     rows = _rows(tmp_path / f"{sweep}.csv")
     assert all("error" not in r or not r["error"] for r in rows)
-    key = "path" if chapter.startswith("02") else "op"
-    assert {r[key] for r in rows} == (
-        {"einsum", "dense", "triton"} if key == "path" else {"reference", "fused"}
-    )
+    paths = ("einsum", "dense", "triton") if chapter == "02_linear" else ()
+    assert {r["kernel"] for r in rows} == set(paths or ("reference", "fused"))
     for r in rows:
-        tol = 2e-2 if r["dtype"].startswith("bfloat16") else 1e-5
+        tol = 2e-2 if r["precision"].startswith("bfloat16") else 1e-5
         assert float(r["rel_err_vs_fp64"]) < tol, r
-        assert float(r["forward_ms"]) > 0 and float(r["floor_ms"]) > 0
+        assert float(r["ms"]) > 0 and float(r["floor_ms"]) > 0
+        assert float(r["GBps"]) > 0 and r["problem"].startswith(f"E={r['n']},")
     launch = _rows(tmp_path / "launch_sweep.csv")
     assert launch and all(not r.get("error") for r in launch)
-    assert all(float(r["time_ms"]) > 0 for r in launch)
+    assert all(float(r["ms"]) > 0 for r in launch)
+    assert all(float(r["bytes"]) > 0 for r in launch if r["kernel"] != "backward")
     if chapter == "02_linear":  # the Triton kernel's launches in each precision
-        assert {r["dtype"] for r in launch} == {"float32", "float32+tf32", "bfloat16"}
+        assert {r["precision"] for r in launch} == {
+            "float32",
+            "float32+tf32",
+            "bfloat16",
+        }
         assert set(info["launch"]) == {"float32", "float32+tf32", "bfloat16"}
         assert set(info["launch_json"]["float32"]) >= {"kernel", "block_b", "stages"}
     else:  # the forward's and the gather's launches, one ZonalLaunch chosen
-        assert {r["kind"] for r in launch} == {"forward", "backward"}
+        assert {r["kernel"] for r in launch} == {"forward", "backward"}
         assert info["launch"].startswith("degrees tile=")
         assert info["launch_json"]["kernel"] == "zonal"
 
@@ -561,3 +580,58 @@ def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
     labels += [f[0] for f in cohorts.STACK_RECOMPUTE]
     assert [r["kernel"] for r in rows] == labels
     assert all("multiples of 16" in r["note"] for r in rows[len(cohorts.COHORTS) :])
+
+
+def test_ncu_part_runs_the_named_programs(tmp_path, monkeypatch):
+    """One Nsight Compute part for every chapter: each name is a program and a CSV,
+    ``ncu=NAME`` picks some, an unknown name is an error, and the environment goes
+    to the profiled process only."""
+    from ecekern.captures import common
+
+    calls = []
+
+    def fake(target, out_csv, extra, timeout, env):
+        calls.append((target, out_csv.name, extra, timeout, env))
+        return "ok"
+
+    monkeypatch.setattr(common, "run_ncu", fake)
+    part = common.ncu_part({"a": ("prog_a", ["-k", "x"]), "b": ("prog_b", None)},
+                           env=lambda run: {"V": run.info["v"]}, timeout=9)  # fmt: skip
+    run = runner.Run(tmp_path, info={"v": "1"})
+    assert part(run, "") == {"ncu_a": "ok", "ncu_b": "ok"}
+    assert calls == [("prog_a", "ncu_a.csv", ["-k", "x"], 9, {"V": "1"}),
+                     ("prog_b", "ncu_b.csv", None, 9, {"V": "1"})]  # fmt: skip
+    assert part(run, "b") == {"ncu_b": "ok"}
+    with pytest.raises(ValueError, match="choose from a, b"):
+        part(run, "c")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
+def test_option_steps_time_each_case_in_each_mode(tmp_path, quick_timing):
+    """The one "steps under these option dicts" part: a row per mode and case, in
+    that order, each under its options and TF32 (switched off after), the hook run
+    under them and free to add columns."""
+    import ecekern
+    from ecekern.captures import common
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, n_interactions=1,
+                            cutoff=2.0, radial_hidden=8, readout_hidden=8)  # fmt: skip
+    seen = []
+
+    def each(rep, model, inputs, row, kw):
+        tf32 = __import__("torch").backends.cuda.matmul.allow_tf32
+        seen.append((rep, row["system"], tf32, kw))
+        row["hook"] = len(seen)
+
+    cases = [("a", {"reference": True}, {"tf32": True, "kind": "x"}),
+             ("b", {"linear": "einsum"}, {"kind": "y"})]  # fmt: skip
+    run = runner.Run(tmp_path, quick=True, dev="cpu")
+    common.option_steps(run, cases, "steps", cfg, modes=schema.MODES, each=each)
+    rows = _rows(tmp_path / "steps.csv")
+    assert [(r["system"], r["mode"]) for r in rows] == [
+        ("a", "eager"), ("b", "eager"), ("a", "replay"), ("b", "replay")]  # fmt: skip
+    assert [r["precision"] for r in rows] == ["float32+tf32", "float32"] * 2
+    assert [r["plan"] for r in rows[:2]] == ["reference=True", "linear=einsum"]
+    assert [r["kind"] for r in rows] == ["x", "y"] * 2 and rows[3]["hook"] == "4"
+    assert seen[0] == (1, "a", True, {"kind": "x"}) and seen[1][2] is False
+    assert not __import__("torch").backends.cuda.matmul.allow_tf32

@@ -101,34 +101,21 @@ def markdown_table(
     return "\n".join([head, sep, *body])
 
 
-#: The rows of chapter 1's progress table (``progress.csv``), in the table's order:
-#: our force step after each chapter, the library's defaults, and the peers.
-PROGRESS_ROWS = (
-    "reference",
-    "+ ch2 linear",
-    "+ ch3 edge_frame",
-    "+ ch4 graph_step",
-    "+ ch5 zonal",
-    "+ ch6 cohorts",
-    "+ ch6 fused strict fp32 stack",
-    "+ ch6 3xTF32 stack",
-    "+ ch6 fused 3xTF32 stack",
-    "+ ch6 TF32 stack",
-    "+ ch6 fused TF32 stack",
-    "+ ch6 bf16 stack",
-    "+ ch6 fused bf16 stack",
-    "library defaults",
-    "reference + torch.compile",
-    "e3nn TP conv (NequIP-style)",
-    "cuEquivariance TP conv (NequIP-style)",
-    "library defaults + torch.compile",
-)
 #: The progress table's peers: what a user would reach for instead of this library.
 PROGRESS_PEERS = (
     "reference + torch.compile",
     "e3nn TP conv (NequIP-style)",
     "cuEquivariance TP conv (NequIP-style)",
 )
+#: The rows of chapter 1's progress table (``progress.csv``), in the table's order:
+#: our force step after each chapter, the library's defaults, and the peers.
+PROGRESS_ROWS = (
+    "reference", "+ ch2 linear", "+ ch3 edge_frame", "+ ch4 graph_step",
+    "+ ch5 zonal", "+ ch6 cohorts", "+ ch6 fused strict fp32 stack",
+    "+ ch6 3xTF32 stack", "+ ch6 fused 3xTF32 stack", "+ ch6 TF32 stack",
+    "+ ch6 fused TF32 stack", "+ ch6 bf16 stack", "+ ch6 fused bf16 stack",
+    "library defaults", *PROGRESS_PEERS, "library defaults + torch.compile",
+)  # fmt: skip
 
 
 def _with_ratios(rows: list[dict], is_reference, is_peer) -> list[dict]:
@@ -232,42 +219,32 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
     with (capture.path / f"{name}.csv").open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     units, data = rows[0], rows[1:]
-    scale_t = {
-        "ns": 1e-6,
-        "us": 1e-3,
-        "usecond": 1e-3,
-        "nsecond": 1e-6,
-        "ms": 1.0,
-        "msecond": 1.0,
-    }
+    scale_t = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0,
+               "msecond": 1.0}  # fmt: skip
     scale_b = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+
+    def mb(r, key):
+        return _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
+
     out = []
     for r in data:
         t_key = "gpu__time_duration.sum"
-        k = {
-            "kernel": r.get("Kernel Name", ""),
-            "time_ms": _ncu_float(r[t_key]) * scale_t.get(units.get(t_key, "ns"), 1e-6),
-        }
+        t = _ncu_float(r[t_key]) * scale_t.get(units.get(t_key, "ns"), 1e-6)
+        k = {"kernel": r.get("Kernel Name", ""), "time_ms": t}
         for key, short in NCU_COLUMNS.items():
             if key in r and short.endswith("_pct"):
                 k[short] = _ncu_float(r[key])
-        k["dram_MB"] = sum(
-            _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
-            for key in ("dram__bytes_read.sum", "dram__bytes_write.sum")
-            if key in r
-        )
+        dram = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+        k["dram_MB"] = sum(mb(r, key) for key in dram if key in r)
         if "lts__t_bytes.sum" in r:
-            key = "lts__t_bytes.sum"
-            k["l2_MB"] = _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
-        for key, short in NCU_COUNTS.items():
-            if key in r:
-                k[short] = _ncu_float(r[key])
-        for key in r:
-            if key.startswith("smsp__average_warps_issue_stalled_"):
-                reason = key.removeprefix("smsp__average_warps_issue_stalled_")
-                k["stall_" + reason.removesuffix("_per_issue_active.ratio")] = (
-                    _ncu_float(r[key])
-                )
+            k["l2_MB"] = mb(r, "lts__t_bytes.sum")
+        k |= {
+            short: _ncu_float(r[key]) for key, short in NCU_COUNTS.items() if key in r
+        }
+        stall = "smsp__average_warps_issue_stalled_"
+        for key in (key for key in r if key.startswith(stall)):
+            reason = key.removeprefix(stall).removesuffix("_per_issue_active.ratio")
+            k["stall_" + reason] = _ncu_float(r[key])
         out.append(k)
     return out
 

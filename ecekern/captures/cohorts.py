@@ -40,7 +40,7 @@ from .. import bench, options
 from .._stack_common import kernel_precision
 from ..cohorts import COHORT_EDGES
 from . import schema
-from .common import book_config, free, run_ncu
+from .common import book_config, free, ncu_part, option_steps
 
 __all__ = ["PARTS"]
 #: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
@@ -80,29 +80,6 @@ FUSED_RECOMPUTE = (
 #: z again on chip: (label, options).
 STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
                         if o["stack"] == "fused")  # fmt: skip
-
-
-def _ncu(run, which: str) -> str:
-    """Nsight Compute on the layer kernels, forward and force backward, at each
-    precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
-    stacks, keeping z and recomputing it
-    (:func:`~ecekern.captures.targets.cohorts_stack`, ``cohorts_stack_recompute``);
-    ``which``: ``"layers"``, ``"stack"`` or ``"recompute"`` for one of them."""
-    out = run.out
-    if which not in (None, "", "layers", "stack", "recompute"):
-        raise ValueError(f"ncu={which!r}: 'layers', 'stack' or 'recompute'")
-    done = []
-    if which in (None, "", "layers"):
-        a = run_ncu("cohorts_layers", out / "ncu_layers.csv", ["-k", "regex:_layer"])
-        done.append(f"layers: {a}")
-    if which in (None, "", "stack"):
-        b = run_ncu("cohorts_stack", out / "ncu_stack.csv", ["-k", "regex:_fused"])
-        done.append(f"stack: {b}")
-    if which in (None, "", "recompute"):
-        c = run_ncu("cohorts_stack_recompute", out / "ncu_recompute.csv",
-                    ["-k", "regex:_fused"])  # fmt: skip
-        done.append(f"recompute: {c}")
-    return "; ".join(done)
 
 
 def _planes_copy(rows):
@@ -222,29 +199,10 @@ MEMORY_CASES = (
 def _steps(run, arg: str) -> str:
     """steps.csv (step schema, with ``cohort_edges``): every case of
     :data:`STEP_CASES`, eager and replayed."""
-    import ecekern
-    from ecekern.model import prepare_inputs
-
-    from .common import force_row
-
+    cases = [(label, kw, {"cohort_edges": kw.get("cohort_edges", "")})
+             for label, kw in STEP_CASES]  # fmt: skip
     cfg = book_config("cuda", n_gated=2)
-    rows = []
-    for rep in run.reps():
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        model = ecekern.ECEModel(cfg).to("cuda")
-        for mode in schema.MODES:
-            for label, kw in STEP_CASES:
-                with options.use(**kw):
-                    c = kw.get("cohort_edges", "")
-                    rows.append(force_row(label, model, inputs, schema.plan(kw), mode,
-                                          cohort_edges=c))  # fmt: skip
-                schema.write(rows, run.out / "steps.csv")
-                free()
-        model = inputs = None
-        free()
-    return "done"
+    return option_steps(run, cases, "steps", cfg, modes=schema.MODES)
 
 
 #: The precision study's cases: (label, TF32, options); fp64 is the truth.
@@ -424,6 +382,15 @@ def _oom_detail(message: str) -> str:
     return "; ".join(f"{k} {m.group(1)}" for k, m in found if m) or message[:120]
 
 
+#: Nsight Compute on the layer kernels, forward and force backward, at each
+#: precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
+#: stacks, keeping z and recomputing it (``cohorts_stack``,
+#: ``cohorts_stack_recompute``); ``ncu=layers``, ``stack`` or ``recompute``: one.
+_ncu = ncu_part({
+    "layers": ("cohorts_layers", ["-k", "regex:_layer"]),
+    "stack": ("cohorts_stack", ["-k", "regex:_fused"]),
+    "recompute": ("cohorts_stack_recompute", ["-k", "regex:_fused"]),
+})  # fmt: skip
 PARTS = {
     "stack": _stack,
     "steps": _steps,

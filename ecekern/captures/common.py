@@ -1,5 +1,7 @@
-"""What the chapters' captures share: Nsight Compute runs, profiler tables, error
-rows, the force-step row, and one launch sweep for every kernel's launch choices.
+"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`),
+profiler tables, the force-step row, one part that times the force step under a
+list of option dicts (:func:`option_steps`), and one launch sweep for every
+kernel's launch choices (:func:`launch_sweep`).
 
 Nothing here changes the library's state: a launch under test is a dataclass passed to
 the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,22 +26,27 @@ from typing import Any
 
 import torch
 
-from .. import bench
+from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
     "LaunchCase",
+    "compile_model",
     "device",
-    "error_row",
+    "for_boxes",
     "force_row",
     "free",
     "launch_from_json",
     "launch_sweep",
     "launch_to_json",
+    "ncu_part",
+    "option_steps",
     "profile_table",
     "rel_err_gpu",
     "run_ncu",
     "step_error",
+    "sync",
+    "timing_columns",
 ]
 
 #: What Nsight Compute is asked for: the metrics the loader reads
@@ -48,18 +57,9 @@ NCU_METRICS_BASIC = [*NCU_COLUMNS, "lts__t_bytes.sum"]
 NCU_COUNTERS = list(NCU_COUNTS)
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
-    for r in (
-        "long_scoreboard",
-        "short_scoreboard",
-        "mio_throttle",
-        "lg_throttle",
-        "math_pipe_throttle",
-        "barrier",
-        "wait",
-        "not_selected",
-        "selected",
-    )
-]
+    for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
+              "math_pipe_throttle", "barrier", "wait", "not_selected", "selected")
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -77,38 +77,14 @@ def run_ncu(
     ``env``: variables for the profiled process only (the launches a target is to
     run, as :func:`launch_to_json` writes them); this process's environment is not
     changed."""
-    status = "ncu not run"
-    for metrics in (
-        NCU_METRICS_BASIC + NCU_STALLS + NCU_COUNTERS,
-        NCU_METRICS_BASIC + NCU_STALLS,
-        NCU_METRICS_BASIC,
-    ):
-        cmd = [
-            "ncu",
-            "--clock-control",
-            "none",
-            "--nvtx",
-            "--nvtx-include",
-            "ece/",
-            "--metrics",
-            ",".join(metrics),
-            "--csv",
-            "--page",
-            "raw",
-            *(extra or []),
-            sys.executable,
-            "-m",
-            "ecekern.captures.targets",
-            target,
-        ]
+    status, basic = "ncu not run", NCU_METRICS_BASIC
+    for metrics in (basic + NCU_STALLS + NCU_COUNTERS, basic + NCU_STALLS, basic):
+        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ece/",
+               "--metrics", ",".join(metrics), "--csv", "--page", "raw", *(extra or []),
+               sys.executable, "-m", "ecekern.captures.targets", target]  # fmt: skip
         try:
-            p = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env={**os.environ, **(env or {})},
-            )
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                               env={**os.environ, **(env or {})})  # fmt: skip
         except Exception as exc:  # ncu missing or too slow
             status = f"ncu failed: {exc!r}"
             continue
@@ -118,6 +94,26 @@ def run_ncu(
             return f"ok ({len(lines) - 2} kernels, {len(metrics)} metrics)"
         status = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-400:]}"
     return status
+
+
+def sync(dev: str = "cuda") -> None:
+    """Wait for the GPU (nothing on a CPU)."""
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_model(model, inputs, dev: str = "cuda"):
+    """``(torch.compile(model), seconds)``: compiled afresh (static shapes, as a
+    user with one system has) by one force step on ``inputs``, under the current
+    options and TF32."""
+    from ..model import force_step
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    t0 = time.perf_counter()
+    force_step(compiled, *inputs)
+    sync(dev)
+    return compiled, time.perf_counter() - t0
 
 
 def device() -> str:
@@ -168,10 +164,11 @@ def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
-def error_row(exc: BaseException, dtype: torch.dtype, **keys) -> dict:
-    """A sweep row for a case that raised (out of resources, say): its keys, the
-    error, and the provenance, so the CSV says what failed and where."""
-    return {**keys, "error": repr(exc)[:300], **bench.provenance(dtype)}
+def timing_columns(prefix: str, t) -> dict:
+    """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
+    ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""
+    return {f"{prefix}_ms": t.median, f"{prefix}_p10_ms": t.p10,
+            f"{prefix}_p90_ms": t.p90}  # fmt: skip
 
 
 def force_row(
@@ -219,9 +216,8 @@ def force_row(
             with torch.no_grad():
                 model(pos, numbers, graph)
 
-        t_f = bench.time_fn(fwd, rep_ms=rep_ms)
-        extra = {"forward_ms": t_f.median, "forward_p10_ms": t_f.p10,
-                 "forward_p90_ms": t_f.p90, **extra}  # fmt: skip
+        extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
+                 **extra}  # fmt: skip
     t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=5)
     if forward:
         extra["backward_ms"] = t.median - extra["forward_ms"]
@@ -233,6 +229,74 @@ def force_row(
     print(system, row["n_atoms"], precision, mode, f"{t.median:.2f} ms",
           f"{peak / 2**20:.0f} MiB", flush=True)  # fmt: skip
     return row
+
+
+def for_boxes(run, body, cfg=None, reps=None, dev: str = "cuda") -> None:
+    """``body(rep, model, inputs)`` for each diamond box (``reps``, else
+    ``run.reps()``): a fresh model of ``cfg`` (the book's, ``ECEConfig()``, by
+    default) and the box's prepared inputs, in float32 on ``dev``, both dropped and
+    the cache freed before the next box."""
+    import ecekern
+    from ecekern.model import prepare_inputs
+
+    cfg = cfg or ecekern.ECEConfig()
+    for rep in run.reps() if reps is None else reps:
+        atoms = ecekern.systems.diamond(rep)
+        inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
+        model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
+        body(rep, model, inputs)
+        model = inputs = None
+        free()
+
+
+def option_steps(run, cases, name, cfg=None, reps=None, modes=("eager",), each=None):
+    """``<name>.csv`` (step schema): the force step of each box (:func:`for_boxes`)
+    in each mode, under each case's options. ``cases``: ``(label, options, kw)``,
+    ``kw`` what :func:`force_row` takes beyond them (``step``, the chapter's
+    columns) and ``tf32`` (TF32 on for the case). ``each(rep, model, inputs, row,
+    kw)`` runs after each row under its options and TF32 (profiles, stages; it may
+    add columns to the row). The CSV is rewritten after every row."""
+    rows: list[dict] = []
+
+    def body(rep, model, inputs):
+        for mode, (label, opts, kw) in itertools.product(modes, cases):
+            kw = dict(kw)
+            bench.set_tf32(kw.pop("tf32", False))
+            try:
+                with options.use(**opts):
+                    plan = schema.plan(opts)
+                    rows.append(force_row(label, model, inputs, plan, mode, **kw))
+                    if each is not None:
+                        each(rep, model, inputs, rows[-1], kw)
+            finally:
+                bench.set_tf32(False)
+            schema.write(rows, run.out / f"{name}.csv")
+            free()
+
+    for_boxes(run, body, cfg, reps, run.dev)
+    return "done"
+
+
+def ncu_part(runs: dict, env=None, timeout: float = 420):
+    """A part that runs Nsight Compute: ``runs`` maps a name to ``(target,
+    ncu arguments)``; each writes ``ncu_<name>.csv`` (its status: the note
+    ``ncu_<name>``). The part's argument picks some names (``ncu=stack``);
+    ``env(run)``: the profiled programs' environment (:func:`run_ncu`)."""
+
+    def part(run, arg: str) -> dict:
+        names = arg.split(";") if arg else list(runs)
+        unknown = [n for n in names if n not in runs]
+        if unknown:
+            raise ValueError(f"ncu={arg!r}: choose from {', '.join(runs)}")
+        e = env(run) if env else None
+        return {
+            f"ncu_{n}": run_ncu(
+                runs[n][0], run.out / f"ncu_{n}.csv", runs[n][1], timeout, e
+            )  # fmt: skip
+            for n in names
+        }
+
+    return part
 
 
 def step_error(exc: BaseException, system: str, inputs, plan="", mode="eager") -> dict:
@@ -247,6 +311,8 @@ def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
     """torch.profiler over ``iters`` calls: a text table and a CSV of every op."""
     from torch.profiler import ProfilerActivity, profile
 
+    from .stages import device_us
+
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -259,21 +325,15 @@ def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
     rows = []
     for e in ka:
         self_dev = getattr(e, "self_device_time_total", None)
-        if self_dev is None:
-            self_dev = e.self_cuda_time_total
-        dev = getattr(e, "device_time_total", None)
-        if dev is None:
-            dev = e.cuda_time_total
-        rows.append(
-            {
-                "name": e.key,
-                "device_type": str(getattr(e, "device_type", "")).split(".")[-1],
-                "calls_per_step": e.count / iters,
-                "self_cuda_ms_per_step": self_dev / 1e3 / iters,
-                "cuda_total_ms_per_step": dev / 1e3 / iters,
-                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / iters,
-            }
-        )
+        self_dev = e.self_cuda_time_total if self_dev is None else self_dev
+        rows.append({
+            "name": e.key,
+            "device_type": str(getattr(e, "device_type", "")).split(".")[-1],
+            "calls_per_step": e.count / iters,
+            "self_cuda_ms_per_step": self_dev / 1e3 / iters,
+            "cuda_total_ms_per_step": device_us(e) / 1e3 / iters,
+            "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / iters,
+        })  # fmt: skip
     rows.sort(key=lambda r: -r["self_cuda_ms_per_step"])
     bench.write_csv(rows, out_dir / f"{stem}_ops.csv")
 
@@ -286,16 +346,22 @@ class LaunchCase:
     """One launch to time: ``launch`` is what the chapter's ``run`` passes to the
     kernel; the fastest correct case is kept per ``group`` (a precision, a kernel).
 
-    ``keys`` are the row's identifying columns, ``columns`` more of them (sizes, the
-    floor); ``tf32`` is switched on around the case; ``tol`` is the largest relative
-    error against float64 that counts as correct."""
+    Its row is a kernel row (:func:`.schema.kernel_row`) of ``kernel``, ``problem``
+    and ``n``, ``nbytes`` the bytes it must move (empty: unknown), then ``keys``
+    (the launch's own columns: variant, tiles, warps) and ``columns`` (the floor);
+    ``tf32`` is switched on around the case; ``tol`` is the largest relative error
+    against float64 that counts as correct."""
 
     group: str
     launch: Any
+    kernel: str
+    problem: str
+    n: int
     keys: dict
     dtype: torch.dtype = torch.float32
     tf32: bool = False
     tol: float = 1e-5
+    nbytes: float | None = None
     columns: dict = field(default_factory=dict)
 
 
@@ -313,39 +379,34 @@ def launch_sweep(
     """Time every case's ``run(case)`` (its GPU time by CUDA-graph replay,
     :func:`bench.time_graph`, or where that cannot capture it, or on a CPU,
     :func:`bench.time_fn`) after ``check(case, output)`` gave its relative error
-    against a float64 truth; write a row per case to ``out_csv`` as it goes (a case
-    that raised is a row with its error). Returns the fastest correct case per
-    group. ``timer(fn) -> Timing`` replaces the timing (tests time host work)."""
+    against a float64 truth; write a row per case to ``out_csv`` (kernel schema,
+    :class:`LaunchCase`) as it goes (a case that raised is a row with its error).
+    Returns the fastest correct case per group. ``timer(fn) -> Timing`` replaces
+    the timing (tests time host work)."""
     rows: list[dict] = []
     best: dict[str, tuple[float, LaunchCase]] = {}
     try:
         for case in cases:
             bench.set_tf32(case.tf32)
             fn = lambda case=case: run(case)
+            precision = bench.dtype_label(case.dtype)
+            row = lambda t, **kw: schema.kernel_row(
+                case.kernel, case.problem, case.n, precision, t, case.nbytes,
+                **case.keys, **case.columns, **kw,
+            )  # fmt: skip
             try:
                 err = check(case, fn())
                 t = (timer or _gpu_time)(fn)
             except Exception as exc:  # out of registers or shared memory, say
-                rows.append(error_row(exc, case.dtype, **case.keys))
-                bench.write_csv(rows, out_csv)
+                rows.append(row(None, error=repr(exc)[:300]))
+                schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
                 continue
-            rows.append(
-                {
-                    **case.keys,
-                    **case.columns,
-                    "time_ms": t.median,
-                    "p10_ms": t.p10,
-                    "p90_ms": t.p90,
-                    "rel_err_vs_fp64": err,
-                    "launch": repr(case.launch),
-                    **bench.provenance(case.dtype),
-                }
-            )
+            rows.append(row(t, rel_err_vs_fp64=err, launch=repr(case.launch)))
             if err < case.tol and t.median < best.get(case.group, (float("inf"),))[0]:
                 best[case.group] = (t.median, case)
             keys = " ".join(f"{v}" for v in case.keys.values())
             print(case.group, keys, f"{t.median * 1e3:.1f} us err {err:.1e}")
-            bench.write_csv(rows, out_csv)
+            schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
     finally:
         bench.set_tf32(False)
     return {g: c for g, (_, c) in best.items()}

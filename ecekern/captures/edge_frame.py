@@ -24,18 +24,18 @@ import itertools
 
 import torch
 
-from .. import bench, options
+from .. import bench
 from . import schema
 from .common import (
     LaunchCase,
     ceilings,
     device,
-    force_row,
     free,
     launch_sweep,
+    ncu_part,
+    option_steps,
     profile_table,
     rel_err_gpu,
-    run_ncu,
 )
 
 __all__ = ["PARTS", "step_tensors"]
@@ -52,16 +52,13 @@ NCU_ORDER = (
 
 
 def notes(run) -> dict:
-    """The manifest's notes before any part runs: the library's launch."""
+    """The manifest's notes before any part runs: the library's launch, and the
+    order of the kernels in ncu_edge_frame.csv."""
     from .. import edge_frame
 
-    return {"launch": repr(edge_frame.EdgeFrameLaunch())}
-
-
-def _ncu(run, arg: str) -> dict:
     return {
+        "launch": repr(edge_frame.EdgeFrameLaunch()),
         "ncu_order": [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER],
-        "ncu_edge_frame": run_ncu("edge_frame", run.out / "ncu_edge_frame.csv"),
     }
 
 
@@ -125,42 +122,19 @@ def _ops(fr, t: dict):
     """The four launchers of one Frames object, each a no-argument callable."""
     from .. import edge_frame as ef
 
-    d, tab, csr, L, M, p = fr.d, fr.tab, fr.csr, fr.L, fr.M, fr.packed
-    la = fr.launch
-    x = ef.rotate_fwd(t["h"], d, tab, t["rho"], csr, L, M, p, la)
-    gen = torch.Generator(device=x[0].device).manual_seed(11)  # the same in fp64
-    gx = [
-        torch.randn(v.shape, device=v.device, dtype=torch.float64, generator=gen).to(
-            v.dtype
-        )
-        for v in x
-    ]
-    rp = t["graph"].row_ptr
+    D = (fr.d, fr.tab)
+    rot = (t["h"], *D, t["rho"], fr.csr, fr.L, fr.M, fr.packed, fr.launch)
+    y, rp = (t["y_cos"], t["y_sin"]), t["graph"].row_ptr
+    unrot = (*D, t["w"], rp, t["scale"], fr.L, fr.M, fr.packed)
+    gen = torch.Generator(device=t["h"].device).manual_seed(11)  # the same in fp64
+    gx = [torch.randn(v.shape, device=v.device, dtype=torch.float64, generator=gen)
+          .to(v.dtype) for v in ef.rotate_fwd(*rot)]  # fmt: skip
     return {
-        "rotate_fwd": lambda: ef.rotate_fwd(
-            t["h"], d, tab, t["rho"], csr, L, M, p, la
-        ),  # fmt: skip
-        "rotate_bwd": lambda: ef.rotate_bwd(
-            *gx, t["h"], d, tab, t["rho"], csr, L, M, p, la
-        ),  # fmt: skip
-        "unrotate_fwd": lambda: ef.unrotate_fwd(
-            t["y_cos"], t["y_sin"], d, tab, t["w"], rp, t["scale"], L, M, p, la
-        ),  # fmt: skip
+        "rotate_fwd": lambda: ef.rotate_fwd(*rot),
+        "rotate_bwd": lambda: ef.rotate_bwd(*gx, *rot),
+        "unrotate_fwd": lambda: ef.unrotate_fwd(*y, *unrot, fr.launch),
         "unrotate_bwd": lambda: ef.unrotate_bwd(
-            t["G"],
-            t["y_cos"],
-            t["y_sin"],
-            d,
-            tab,
-            t["w"],
-            rp,
-            t["scale"],
-            L,
-            M,
-            p,
-            True,
-            True,
-            la,
+            t["G"], *y, *unrot, True, True, fr.launch
         ),  # fmt: skip
     }
 
@@ -185,6 +159,7 @@ def _launch(run, arg: str) -> dict:
         truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
         model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
         bw = ceilings()["copy_GBps"]
+        problem = f"E={t['E']}, L={t['L']}, M={t['M']}, C={t['C']}"
         cases = []
         for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
             floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
@@ -193,20 +168,21 @@ def _launch(run, arg: str) -> dict:
                 launch = dataclasses.replace(
                     ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
                 )
-                keys = {"kernel": kernel, "E": t["E"], "block_e": be, "warps": w}
-                cols = {"floor_ms": floor, "bytes_floor": model[f"floor_{kernel}"]}
-                cases.append(LaunchCase(f"{kernel} {t['E']}", launch, keys,
-                                        columns=cols))  # fmt: skip
+                cases.append(LaunchCase(
+                    f"{kernel} {t['E']}", launch, kernel, problem, t["E"],
+                    {"block_e": be, "warps": w}, nbytes=model[f"floor_{kernel}"],
+                    columns={"floor_ms": floor},
+                ))  # fmt: skip
         frames = {}
 
         def run_case(case):
             fr = frames.get(case.launch)
             if fr is None:
                 fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
-            return _first(fr[case.keys["kernel"]]())
+            return _first(fr[case.kernel]())
 
         def check(case, got):
-            return rel_err_gpu(got, truth[case.keys["kernel"]])
+            return rel_err_gpu(got, truth[case.kernel])
 
         name = "launch_sweep.csv" if rep == reps[-1] else f"launch_sweep_{rep}.csv"
         best = launch_sweep(cases, run_case, check, out / name)
@@ -223,7 +199,8 @@ def _launch(run, arg: str) -> dict:
 # the ops, reference / table / packed
 # --------------------------------------------------------------------------------------
 def _kernels(run, arg: str) -> str:
-    """kernels.csv: each op's GPU time by variant, with the bytes model."""
+    """kernels.csv (kernel schema: ``kernel`` the op, ``n`` its edges, with its
+    ``variant``): each op's GPU time by variant, with the bytes model."""
     from .. import edge_frame as ef
     from .. import reference
 
@@ -234,6 +211,7 @@ def _kernels(run, arg: str) -> str:
         t = step_tensors(rep)
         g = t["graph"]
         L, M = t["L"], t["M"]
+        problem = f"E={t['E']}, L={L}, M={M}, C={t['C']}"
         gx = [torch.randn(t["E"], 2 * t["C"] * (L + 1), M + 1, device=t["h"].device)
               for _ in range(2)]  # fmt: skip
 
@@ -264,57 +242,36 @@ def _kernels(run, arg: str) -> str:
             ("reference", "unrotate"): (ref_unrotate, ref_unrotate_fb),
         }
         for variant in ef.VARIANTS:
-            fr = _frames(t, variant)
-            ops = _ops(fr, t)
-            timings[(variant, "rotate")] = (
-                ops["rotate_fwd"],
-                lambda o=ops: (o["rotate_fwd"](), o["rotate_bwd"]()),
-            )
-            timings[(variant, "unrotate")] = (
-                ops["unrotate_fwd"],
-                lambda o=ops: (o["unrotate_fwd"](), o["unrotate_bwd"]()),
-            )
+            o = _ops(_frames(t, variant), t)
+            for op in ("rotate", "unrotate"):
+                fwd, bwd = o[f"{op}_fwd"], o[f"{op}_bwd"]
+                timings[(variant, op)] = (fwd, lambda f=fwd, b=bwd: (f(), b()))
         for (variant, op), (fwd, fb) in timings.items():
             packed = variant == "packed"
             model = ef.traffic(t["E"], t["N"], L, M, t["C"], 4, packed=packed)
-            key = "rotate" if op == "rotate" else "unrotate"
             t_f = bench.time_graph(fwd) or bench.time_fn(fwd)
             t_fb = bench.time_fn(fb) if variant == "reference" else (
                 bench.time_graph(fb) or bench.time_fn(fb))  # fmt: skip
-            floor_f = bench.floor_ms(model[f"floor_{key}_fwd"], 0, bw)
-            floor_fb = bench.floor_ms(
-                model[f"floor_{key}_fwd"] + model[f"floor_{key}_bwd"], 0, bw
-            )
-            rows.append(
-                {
-                    "op": op,
-                    "variant": variant,
-                    "n_atoms": t["N"],
-                    "E": t["E"],
-                    "forward_ms": t_f.median,
-                    "forward_p10_ms": t_f.p10,
-                    "forward_p90_ms": t_f.p90,
-                    "fwd_bwd_ms": t_fb.median,
-                    "backward_ms": t_fb.median - t_f.median,
-                    "floor_fwd_ms": floor_f,
-                    "floor_fwd_bwd_ms": floor_fb,
-                    "floor_fraction_fwd": floor_f / t_f.median,
-                    "floor_fraction_fwd_bwd": floor_fb / t_fb.median,
-                    "timer_fwd_bwd": "eager" if variant == "reference" else "graph",
-                    "message_MB": model["message_bytes"] / 1e6,
-                    **bench.provenance(torch.float32),
-                }
-            )
-            r = rows[-1]
-            print(op, variant, t["E"], f"fwd {r['forward_ms']:.3f} ms",
-                  f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)  # fmt: skip
-            bench.write_csv(rows, out / "kernels.csv")
+            floor_f = bench.floor_ms(model[f"floor_{op}_fwd"], 0, bw)
+            fb_bytes = model[f"floor_{op}_fwd"] + model[f"floor_{op}_bwd"]
+            floor_fb = bench.floor_ms(fb_bytes, 0, bw)
+            rows.append(schema.kernel_row(
+                op, problem, t["E"], "float32", t_f, model[f"floor_{op}_fwd"],
+                variant=variant, n_atoms=t["N"], fwd_bwd_ms=t_fb.median,
+                backward_ms=t_fb.median - t_f.median, floor_fwd_ms=floor_f,
+                floor_fwd_bwd_ms=floor_fb, floor_fraction_fwd=floor_f / t_f.median,
+                floor_fraction_fwd_bwd=floor_fb / t_fb.median,
+                timer_fwd_bwd="eager" if variant == "reference" else "graph",
+                message_MB=model["message_bytes"] / 1e6,
+            ))  # fmt: skip
+            print(op, variant, t["E"], f"fwd {t_f.median:.3f} ms",
+                  f"fwd+bwd {t_fb.median:.3f} ms", flush=True)  # fmt: skip
+            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
         t_pack = bench.time_graph(lambda: ef.pack(t["D"], M))
         if t_pack is not None:
-            rows.append({"op": "pack", "variant": "packed", "n_atoms": t["N"],
-                         "E": t["E"], "forward_ms": t_pack.median,
-                         **bench.provenance(torch.float32)})  # fmt: skip
-            bench.write_csv(rows, out / "kernels.csv")
+            pack = schema.kernel_row("pack", problem, t["E"], "float32", t_pack)
+            rows.append({**pack, "variant": "packed", "n_atoms": t["N"]})
+            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
         t = timings = None
         free()
     return "done"
@@ -335,34 +292,25 @@ def _steps(run, arg: str) -> str:
     """steps.csv (step schema) and stages.csv (chapters 2 and 5 on; the edge frame
     switched): time, peak memory, and at the largest box the time by stage and a
     profile."""
-    import ecekern
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import force_step
 
     from .progress import _stages
 
-    cfg, out, reps = ecekern.ECEConfig(), run.out, run.reps()
-    rows: list[dict] = []
     stage_rows: list[dict] = []
-    for rep in reps:
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        n = inputs[0].shape[0]
-        for variant, opts in STEP_OPTIONS.items():
-            with options.use(**opts):
-                rows.append(force_row(variant, model, inputs, schema.plan(opts)))
-                schema.write(rows, out / "steps.csv")
-                if rep == reps[-1]:
-                    step = lambda: force_step(model, *inputs)
-                    for r in _stages(variant, step, n, "cuda"):
-                        stage_rows.append({"edge_frame": variant, **r})
-                    bench.write_csv(stage_rows, out / "stages.csv")
-                    profile_table(step, out, f"profile_force_{n}_{variant}")
-        model = inputs = None
-        free()
-    return "done"
+
+    def stages(rep, model, inputs, row, kw):
+        if rep != run.reps()[-1]:
+            return
+        step, variant = lambda: force_step(model, *inputs), row["system"]
+        for r in _stages(variant, step, row["n_atoms"], "cuda"):
+            stage_rows.append({"edge_frame": variant, **r})
+        bench.write_csv(stage_rows, run.out / "stages.csv")
+        profile_table(step, run.out, f"profile_force_{row['n_atoms']}_{variant}")
+
+    cases = [(variant, opts, {}) for variant, opts in STEP_OPTIONS.items()]
+    return option_steps(run, cases, "steps", each=stages)
 
 
+_ncu = ncu_part({"edge_frame": ("edge_frame", None)})
 PARTS = {"launch": _launch, "kernels": _kernels, "steps": _steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")

@@ -31,7 +31,7 @@ import torch
 
 from .. import bench, options
 from . import schema
-from .common import book_config, free
+from .common import book_config, for_boxes, free
 
 __all__ = ["PARTS", "unpack_indexed", "unpack_masked"]
 
@@ -110,7 +110,7 @@ def _unpack(run, arg: str) -> str:
     from ecekern.host_sync import HostSyncAudit
     from ecekern.model import prepare_inputs
 
-    out, reps, dev = run.out, run.reps(), run.dev
+    out, reps, dev, nan = run.out, run.reps(), run.dev, float("nan")
     cfg = book_config(dev)
     M, S = cfg.M, cfg.S
     rows = []
@@ -145,21 +145,13 @@ def _unpack(run, arg: str) -> str:
                     )  # fmt: skip
                 )
             host, wall = _host_and_wall(lambda: fn(dP, M), dev, n)
-            rows.append(
-                {
-                    "unpack": name,
-                    "n_edges": E,
-                    "wall_ms": wall,
-                    "host_ms": host,
-                    "syncs": audit.syncs,
-                    "h2d": audit.h2d,
-                    "sync_api_calls": _api_calls(prof, sync_api) / n,
-                    "gpu_ms": bench.time_fn(lambda: fn(dP, M)).median
-                    if dev == "cuda"
-                    else float("nan"),
-                    **bench.provenance(torch.float32),
-                }
-            )
+            gpu = bench.time_fn(lambda: fn(dP, M)).median if dev == "cuda" else nan
+            rows.append({
+                "unpack": name, "n_edges": E, "wall_ms": wall, "host_ms": host,
+                "syncs": audit.syncs, "h2d": audit.h2d,
+                "sync_api_calls": _api_calls(prof, sync_api) / n, "gpu_ms": gpu,
+                **bench.provenance(torch.float32),
+            })  # fmt: skip
             print(f"unpack {name} E={E}: {rows[-1]['wall_ms']:.3f} ms", flush=True)
         bench.write_csv(rows, out / "unpack.csv")
     return "done"
@@ -316,16 +308,11 @@ def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:
 
 def _steps(run, arg: str) -> str:
     """steps.csv: eager against replay, under the defaults and the reference."""
-    import ecekern
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import force_step
 
-    cfg = book_config("cuda")
     rows: list[dict] = []
-    for rep in run.reps():
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        model = ecekern.ECEModel(cfg).to("cuda")
+
+    def body(rep, model, inputs):
         for label, opts in PATHS.items():
             with options.use(**opts):
                 force_step(model, *inputs)  # compiles: the capture's time is its own
@@ -335,8 +322,8 @@ def _steps(run, arg: str) -> str:
                     rows.append(_step_row(model, inputs, label, mode, headroom))
                     schema.write(rows, run.out / "steps.csv")
                     free()
-        model = inputs = None
-        free()
+
+    for_boxes(run, body)
     return "done"
 
 

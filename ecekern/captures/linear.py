@@ -25,20 +25,19 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, options
+from .. import bench
 from . import schema
 from .common import (
     LaunchCase,
     ceilings,
-    error_row,
-    force_row,
     free,
     launch_sweep,
     launch_to_json,
     launches_env,
+    ncu_part,
+    option_steps,
     profile_table,
     rel_err_gpu,
-    run_ncu,
 )
 
 __all__ = ["PARTS", "PATHS_MEASURED", "launch_cases", "sweep_cell"]
@@ -63,20 +62,12 @@ def _launch_part(run, arg: str) -> dict:
     chosen = _launch(run.out, run.quick, run.dev)
     return {
         "launch": {
-            k: f"{c.keys['kernel']} {c.keys['variant']}: {c.launch!r}"
+            k: f"{c.kernel} {c.keys['variant']}: {c.launch!r}"
             for k, c in chosen.items()
         },
         "launch_json": {
-            k: launch_to_json(c.keys["kernel"], c.launch) for k, c in chosen.items()
+            k: launch_to_json(c.kernel, c.launch) for k, c in chosen.items()
         },
-    }
-
-
-def _ncu(run, arg: str) -> dict:
-    env = launches_env("ECEKERN_CAPTURE_LINEAR", run.info.get("launch_json", {}))
-    return {
-        "ncu_triton": run_ncu("eqlin_triton", run.out / "ncu_triton.csv", env=env),
-        "ncu_dense": run_ncu("eqlin_dense", run.out / "ncu_dense.csv"),
     }
 
 
@@ -112,41 +103,40 @@ def launch_cases(
     contiguous, bias)`` (the Gluon kernels' conditions are read off them)."""
     from ..linear import gluon_fma, gluon_tc, triton_modes
 
-    floor = _floor_ms(E, F, n_ang, data)
+    nbytes = _bytes(E, F, n_ang, data)
+    copy = ceilings()["copy_GBps"]
+    problem = f"E={E}, F={F}, n_ang={n_ang}"
     cases = []
-    for dtype, tf32 in (
-        (torch.float32, False),
-        (torch.float32, True),
-        (torch.bfloat16, False),
-    ):
+    for dtype, tf32 in ((torch.float32, False), (torch.float32, True),
+                        (torch.bfloat16, False)):  # fmt: skip
         label = "float32+tf32" if tf32 else str(dtype).replace("torch.", "")
         tol = 1e-5 if dtype == torch.float32 and not tf32 else 3e-2
-        columns = {"E": E, "floor_bytes_ms": floor[dtype]}
+        floor = {"floor_ms": nbytes[dtype] / (copy * 1e6)}
 
-        def case(launch, keys, dtype=dtype, tf32=tf32, tol=tol, label=label, c=columns):
-            return LaunchCase(label, launch, keys, dtype, tf32, tol, c)
+        def case(kernel, launch, variant, bb, bk, bo, warps, stages, dtype=dtype,
+                 tf32=tf32, tol=tol, label=label, floor=floor, **more):  # fmt: skip
+            keys = {"variant": variant, "block_b": bb, "block_k": bk, "block_o": bo,
+                    "warps": warps, "stages": stages, **more}  # fmt: skip
+            return LaunchCase(label, launch, kernel, problem, E, keys, dtype, tf32,
+                              tol, nbytes[dtype], floor)  # fmt: skip
 
-        mine = []
-        for name, flags, tiles, stages in TRITON_KINDS:
-            for (bb, bk, bo, warps), st in itertools.product(
-                tiles[:2] if quick else tiles, stages
-            ):
-                launch = triton_modes.TritonLaunch(bb, bk, bo, warps, st, **flags)
-                keys = {"variant": name, "block_b": bb, "block_k": bk}
-                keys |= {"block_o": bo, "warps": warps, "stages": st}
-                mine.append(case(launch, keys | {"kernel": "triton"}))
+        triton = triton_modes.TritonLaunch
+        mine = [
+            case("triton", triton(*tile, st, **flags), name, *tile, st)
+            for name, flags, tiles, stages in TRITON_KINDS
+            for tile, st in itertools.product(tiles[:2] if quick else tiles, stages)
+        ]
         if dev != "cuda":  # the interpreter runs every tile at 16 x 16 x 16: a few
             mine = mine[:3]
         x, w, _, _ = data[dtype]
         # strict fp32: the Gluon kernel on the FMA units, each register tile
         if gluon_fma.fma_reason(x, w, tf32) is None:
-            for tile, cap in itertools.product(gluon_fma.TILES, (168, None)):
-                keys = {"variant": f"fma{tile}" + ("" if cap else " nocap")}
-                keys |= {"block_b": gluon_fma.BLOCK_B, "block_k": gluon_fma.BLOCK_K}
-                keys |= {"block_o": gluon_fma.BLOCK_O, "warps": gluon_fma.WARPS}
-                keys |= {"stages": 1, "kernel": "fma", "maxnreg": cap or ""}
-                launch = gluon_fma.FmaLaunch(tile, cap)
-                mine.append(case(launch, keys))
+            g = gluon_fma
+            for tile, cap in itertools.product(g.TILES, (168, None)):
+                name = f"fma{tile}" + ("" if cap else " nocap")
+                tiles = (g.BLOCK_B, g.BLOCK_K, g.BLOCK_O, g.WARPS, 1)
+                launch = g.FmaLaunch(tile, cap)
+                mine.append(case("fma", launch, name, *tiles, maxnreg=cap or ""))
         # bf16 and TF32: the Gluon kernel that splits the modes on the tensor cores
         if (dtype == torch.bfloat16 or tf32) and gluon_tc.tc_reason(x, w) is None:
             default = gluon_tc.default_launch(dtype, F)
@@ -156,21 +146,19 @@ def launch_cases(
             for ln in dict.fromkeys(launches):
                 name = "tc" if ln == default else f"tc c{ln.consumers} s{ln.stages}"
                 # rows in flight per program, its warps: the consumers' and the loader's
-                keys = {"variant": name, "block_b": 64 * ln.consumers}
-                keys |= {"block_k": gluon_tc.BLOCK_K[dtype], "block_o": ln.block_o}
-                keys |= {"warps": 4 * ln.consumers + 1, "stages": ln.stages}
-                keys |= {"kernel": "tc"}
-                mine.append(case(ln, keys))
+                mine.append(case("tc", ln, name, 64 * ln.consumers,
+                                 gluon_tc.BLOCK_K[dtype], ln.block_o,
+                                 4 * ln.consumers + 1, ln.stages))  # fmt: skip
         cases += mine
     return cases
 
 
-def _floor_ms(E, F, n_ang, data) -> dict:
+def _bytes(E, F, n_ang, data) -> dict:
+    """The bytes one of cos and sin must move, by dtype (its DRAM floor)."""
     from .. import linear
 
-    copy = ceilings()["copy_GBps"]
     return {
-        dt: linear.traffic(E, F, F, n_ang, x.element_size())["bytes"] / 2 / (copy * 1e6)
+        dt: linear.traffic(E, F, F, n_ang, x.element_size())["bytes"] / 2
         for dt, (x, *_) in data.items()
     }
 
@@ -180,10 +168,9 @@ def run_launch(case: LaunchCase, data: dict) -> torch.Tensor:
     from ..linear import gluon_fma, gluon_tc, triton_modes
 
     x, w, w_o, b = data[case.dtype]
-    kernel = case.keys["kernel"]
-    if kernel == "fma":
+    if case.kernel == "fma":
         return gluon_fma.fma_fwd(x, w_o, b, case.launch)
-    if kernel == "tc":
+    if case.kernel == "tc":
         return gluon_tc.tc_fwd(x, w, b, case.launch)
     return triton_modes.triton_fwd(x, w, b, case.launch, case.tf32)
 
@@ -232,36 +219,24 @@ def _model_steps(run, arg: str) -> str:
     EquivariantLinear path (``steps=dense;einsum``: some), strict fp32 and TF32:
     time, peak memory, and from a profile of each the calls per step of the ops the
     einsum path brings (copies, bmm) and the GEMMs of the dense path."""
-    import ecekern
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import force_step
 
     paths = arg.split(";") if arg else PATHS_MEASURED
-    cfg, out = ecekern.ECEConfig(), run.out
-    rows = []
-    for rep in [2] if run.quick else [4, 8]:
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        n_atoms = inputs[0].shape[0]
-        for tf32, path in itertools.product((False, True), paths):
-            bench.set_tf32(tf32)
-            opts = STEP_OPTIONS[path]
-            with options.use(**opts):
-                row = force_row(path, model, inputs, schema.plan(opts))
-                stem = f"profile_step_{n_atoms}_{path}{'_tf32' if tf32 else ''}"
-                profile_table(lambda: force_step(model, *inputs), out, stem)
-            with (out / f"{stem}_ops.csv").open() as fh:
-                ops = list(csv.DictReader(fh))
-            for op in ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm"):
-                calls = (float(r["calls_per_step"]) for r in ops if r["name"] == op)
-                row["calls_" + op.split("::")[1]] = sum(calls)
-            rows.append(row)
-            schema.write(rows, out / "model_steps.csv")
-        bench.set_tf32(False)
-        model = inputs = None
-        free()
-    return "done"
+    cases = [(path, STEP_OPTIONS[path], {"tf32": tf32})
+             for tf32, path in itertools.product((False, True), paths)]  # fmt: skip
+
+    def profile(rep, model, inputs, row, kw):
+        tf32 = "_tf32" if row["precision"].endswith("tf32") else ""
+        stem = f"profile_step_{row['n_atoms']}_{row['system']}{tf32}"
+        profile_table(lambda: force_step(model, *inputs), run.out, stem)
+        with (run.out / f"{stem}_ops.csv").open() as fh:
+            ops = list(csv.DictReader(fh))
+        for op in ("aten::copy_", "aten::bmm", "aten::addmm", "aten::mm"):
+            calls = (float(r["calls_per_step"]) for r in ops if r["name"] == op)
+            row["calls_" + op.split("::")[1]] = sum(calls)
+
+    reps = run.reps(quick=(2,))
+    return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
 # --------------------------------------------------------------------------------------
@@ -303,7 +278,8 @@ def _paths() -> dict:
 
 
 def _sweep(run, spec: str) -> str:
-    """Rows of linear_sweep.csv: for each (E, n_ang) cell, fresh inputs, every
+    """Rows of linear_sweep.csv (kernel schema: ``kernel`` the path, ``n`` the edges,
+    with ``F`` and ``n_ang``): for each (E, n_ang) cell, fresh inputs, every
     precision and path."""
     from .. import linear, reference
 
@@ -333,6 +309,13 @@ def _sweep(run, spec: str) -> str:
             w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
             args = (xc, xs, w, b)
             model = linear.traffic(E, F, F, n_ang, xc.element_size())
+            precision = bench.dtype_label(dtype)
+
+            def row(name, t, *work, precision=precision, E=E, n_ang=n_ang, **extra):
+                problem = f"E={E}, F={F}, n_ang={n_ang}: cos and sin"
+                return schema.kernel_row(name, problem, E, precision, t, *work, F=F,
+                                         n_ang=n_ang, **extra)  # fmt: skip
+
             for name in cell_paths:
                 fn = paths[name]
                 try:
@@ -347,45 +330,31 @@ def _sweep(run, spec: str) -> str:
                     t_fb = bench.time_fn(fwd_bwd)
                     g_f = bench.time_graph(lambda fn=fn, a=args: fn(*a))
                 except Exception as exc:
-                    rows.append(error_row(exc, dtype, E=E, n_ang=n_ang, path=name))
-                    bench.write_csv(rows, out / "linear_sweep.csv")
+                    rows.append(row(name, None, error=repr(exc)[:300]))
+                    schema.write(rows, out / "linear_sweep.csv", schema.KERNEL_COLUMNS)
                     continue
                 floor = bench.floor_ms(
                     model["bytes"], model["flops"], ceil["copy_GBps"], ceil.get(ceiling)
                 )
-                rows.append(
-                    {
-                        "E": E,
-                        "F": F,
-                        "n_ang": n_ang,
-                        "path": name,
-                        "forward_ms": t_f.median,
-                        "forward_p10_ms": t_f.p10,
-                        "forward_p90_ms": t_f.p90,
-                        "fwd_bwd_ms": t_fb.median,
-                        "forward_gpu_ms": g_f.median if g_f else float("nan"),
-                        "bytes": model["bytes"],
-                        "flops": model["flops"],
-                        "floor_ms": floor,
-                        "floor_fraction": floor / t_f.median,
-                        "rel_err_vs_fp64": err,
-                        **bench.provenance(dtype),
-                    }
-                )
-                print(
-                    name,
-                    E,
-                    n_ang,
-                    rows[-1]["dtype"],
-                    f"{t_f.median:.3f} ms",
-                    f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
-                    flush=True,
-                )
-                bench.write_csv(rows, out / "linear_sweep.csv")
+                rows.append(row(
+                    name, t_f, model["bytes"], model["flops"], fwd_bwd_ms=t_fb.median,
+                    forward_gpu_ms=g_f.median if g_f else float("nan"), floor_ms=floor,
+                    floor_fraction=floor / t_f.median, rel_err_vs_fp64=err,
+                ))  # fmt: skip
+                print(name, E, n_ang, rows[-1]["precision"], f"{t_f.median:.3f} ms",
+                      f"({100 * floor / t_f.median:.0f} % of floor) err {err:.1e}",
+                      flush=True)  # fmt: skip
+                schema.write(rows, out / "linear_sweep.csv", schema.KERNEL_COLUMNS)
         bench.set_tf32(False)
         free()
     return "done"
 
 
+_ncu = ncu_part(
+    {"triton": ("eqlin_triton", None), "dense": ("eqlin_dense", None)},
+    env=lambda run: launches_env(
+        "ECEKERN_CAPTURE_LINEAR", run.info.get("launch_json", {})
+    ),
+)
 PARTS = {"launch": _launch_part, "steps": _model_steps, "ncu": _ncu, "sweep": _sweep}
 GPU_ONLY = ("steps", "ncu")

@@ -13,7 +13,7 @@ import torch
 
 from .. import bench
 from . import schema
-from .common import free, run_ncu
+from .common import free, ncu_part
 
 __all__ = ["PARTS"]
 
@@ -60,12 +60,6 @@ def _ceilings(run, arg: str) -> str:
     return "done"
 
 
-def _ncu(run, arg: str) -> dict:
-    return {
-        "ncu_copy": run_ncu("copy", run.out / "ncu_copy.csv"),
-        "ncu_gemm": run_ncu("gemm", run.out / "ncu_gemm.csv"),
-    }
-
-
+_ncu = ncu_part({"copy": ("copy", None), "gemm": ("gemm", None)})
 PARTS = {"ceilings": _ceilings, "ncu": _ncu}
 GPU_ONLY = ("ceilings", "ncu")

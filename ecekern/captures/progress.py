@@ -2,40 +2,27 @@
 
 For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each precision
 (strict fp32, fp32 + TF32), the force step (energy and forces) of, in this order:
-
-1. ``reference``: ``options.use(reference=True)``;
-2. ``+ ch2 linear``: ``options.use(linear="auto", edge_frame="reference",
-   zonal="reference", stack="linears", memory="plain")``;
-3. ``+ ch3 edge_frame``: ``options.use(linear="auto", edge_frame="packed",
-   zonal="reference")``;
-4. ``+ ch4 graph_step``: the same options, the step replayed as a CUDA graph
-   (:class:`~ecekern.graph_step.GraphStep`);
-5. ``+ ch5 zonal``: ``options.use(linear="auto", edge_frame="packed",
-   zonal="fused")``, replayed;
-6. ``+ ch6 cohorts``: the same with ``memory="keep"`` (the mixing stack's
-   backward in cohorts, strict fp32 linears), replayed; then, for
-   each precision, the stack by the layer kernels (``+ ch6 3xTF32 stack``, ..) and
-   by the fused stack (``+ ch6 fused strict fp32 stack``,
-   ``+ ch6 fused 3xTF32 stack``, ..), replayed (:data:`CH6_STACKS`);
-7. ``library defaults``: ``options.use()``, eager, nothing changed (the row records what
-   ``options.current()`` was);
-8. the peers: ``reference + torch.compile`` (a fresh compile per box and precision,
-   its time recorded), ``e3nn TP conv (NequIP-style)``, ``cuEquivariance TP conv
-   (NequIP-style)`` (skipped, with the reason in the manifest, where
-   ``cuequivariance_torch`` or its CUDA kernels ``cuequivariance_ops_torch`` do not
-   load: cuet would fall back to its naive path);
-9. ``library defaults + torch.compile``.
+the reference (``options.use(reference=True)``); each chapter's switch added to
+every earlier one's (:data:`CHAPTER_SWITCHES`: ``+ ch2 linear`` .. ``+ ch6
+cohorts``), from chapter 4 on replayed as a CUDA graph (:data:`REPLAYED`); chapter
+6's stacks by the layer kernels and the fused stack at each precision
+(:data:`CH6_STACKS`, replayed); ``library defaults`` (``options.use()``, eager, the
+row recording what ``options.current()`` was); the peers (``reference +
+torch.compile``, a fresh compile per box and precision, its time recorded; e3nn's
+and cuEquivariance's convolutions, skipped with the reason in the manifest where
+``cuequivariance_torch`` or its CUDA kernels do not load: cuet would fall back to
+its naive path); and ``library defaults + torch.compile``.
 
 Each row (step schema, :mod:`.schema`; its ``plan`` the step plan the options
 resolved to, :meth:`ecekern.plan.StepPlan.describe`, with the EquivariantLinears'
-kernel where the stack runs them): time
-(median, p10, p90 of at least 5 runs) and peak memory, with its provenance;
-``progress.csv`` is rewritten after every row, in the table's order, so a run stopped
-by its time limit keeps what it measured. The eager rows run first, both boxes and
-precisions; then ``stages.csv``, the forward and backward time by stage of
-the largest box's reference and defaults (strict fp32, :mod:`.stages`); the compiled
-rows last, strict fp32 first, while the time budget lasts (a compile takes a minute or
-more; each one skipped is said so in the manifest).
+kernel where the stack runs them): time (median, p10, p90 of at least 5 runs) and
+peak memory, with its provenance; ``progress.csv`` is rewritten after every row, in
+the table's order, so a run stopped by its time limit keeps what it measured. The
+eager rows run first, both boxes and precisions; then ``stages.csv``, the forward
+and backward time by stage of the largest box's reference and defaults (strict
+fp32, :mod:`.stages`); the compiled rows last, strict fp32 first, while the time
+budget lasts (a compile takes a minute or more; each one skipped is said so in the
+manifest).
 """
 
 from __future__ import annotations
@@ -47,7 +34,7 @@ import torch
 
 from .. import bench, options
 from . import PROGRESS_ROWS, schema
-from .common import force_row, free, step_error
+from .common import compile_model, for_boxes, force_row, free, step_error, sync
 from .reference import peer_models
 from .stages import stage_times
 
@@ -177,7 +164,7 @@ def capture(
     ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
     smoke test (the tests': a tiny model and box, no compiles with ``budget_s=0``)."""
     import ecekern
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import force_step
 
     t_start = time.time()
     budget = budget_s if budget_s is not None else BUDGET_S
@@ -191,16 +178,9 @@ def capture(
         info["library_defaults_note"] = f"the environment changed them: {defaults}"
     precisions = (False, True)
 
-    def inputs_of(rep):
-        atoms = ecekern.systems.diamond(rep)
-        return prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
-
-    # 1. the eager rows: ours and the peers, every box and precision
-    for rep in boxes:
-        inputs = inputs_of(rep)
+    def eager(rep, model, inputs):  # ours and the peers, both precisions
         n = inputs[0].shape[0]
         rep_ms = 100.0 if n <= 512 else 0.0  # at least 5 runs either way
-        model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
         peers = list(peer_models(cfg, torch.float32, info, f"{n} atoms", dev))
         for tf32 in precisions:
             bench.set_tf32(tf32)
@@ -217,62 +197,50 @@ def capture(
                     free()
             finally:
                 bench.set_tf32(False)
-        # the largest box's time by stage, strict fp32
-        if rep == boxes[-1]:
-            for label in ("reference", "library defaults"):
-                with options.use(**OURS[label]):
-                    step = lambda m=model, i=inputs: force_step(m, *i)
-                    try:
-                        stage_rows += _stages(label, step, n, dev)
-                    except Exception as exc:
-                        info[f"stages: {label}"] = f"failed: {exc!r}"[:500]
-                bench.write_csv(stage_rows, out / "stages.csv")
-                free()
-        model = inputs = peers = None
-        free()
-    # 2. the compiled rows, strict fp32 first, while the budget lasts
-    last_compile = 90.0  # seconds: the reference's first compile on the H200
-    for tf32 in precisions:
-        for rep in boxes:
-            inputs = inputs_of(rep)
-            n = inputs[0].shape[0]
-            rep_ms = 100.0 if n <= 512 else 0.0
-            model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
-            for label, opts in COMPILED.items():
-                key = f"progress: {label}, {n} atoms, {'tf32' if tf32 else 'fp32'}"
-                left = budget - (time.time() - t_start)
-                if left < 1.3 * last_compile + 10:
-                    info[key] = f"skipped: {left:.0f} s of the time budget left"
-                    continue
-                bench.set_tf32(tf32)
+        if rep != boxes[-1]:
+            return
+        for label in ("reference", "library defaults"):  # by stage, strict fp32
+            with options.use(**OURS[label]):
+                step = lambda: force_step(model, *inputs)
                 try:
-                    with options.use(**opts):
-                        torch._dynamo.reset()  # a fresh compile: static shapes
-                        compiled = torch.compile(model)
-                        t0 = time.perf_counter()
-                        force_step(compiled, *inputs)
-                        _sync(dev)
-                        last_compile = time.perf_counter() - t0
-                        plan = _paths(model, inputs)
-                        _row(table, label, compiled, inputs, rep_ms, info, plan,
-                             compile_s=last_compile)  # fmt: skip
+                    stage_rows.extend(_stages(label, step, n, dev))
                 except Exception as exc:
-                    info[key] = f"failed: {exc!r}"[:500]
-                    table.add(step_error(exc, label, inputs))
-                finally:
-                    bench.set_tf32(False)
-                    compiled = None
-                    torch._dynamo.reset()
-                    free()
-            model = inputs = None
+                    info[f"stages: {label}"] = f"failed: {exc!r}"[:500]
+            bench.write_csv(stage_rows, out / "stages.csv")
             free()
+
+    last_compile = [90.0]  # seconds: the reference's first compile on the H200
+
+    def compiled(rep, model, inputs):  # while the budget lasts
+        n, tf32 = inputs[0].shape[0], torch.backends.cuda.matmul.allow_tf32
+        for label, opts in COMPILED.items():
+            key = f"progress: {label}, {n} atoms, {'tf32' if tf32 else 'fp32'}"
+            left = budget - (time.time() - t_start)
+            if left < 1.3 * last_compile[0] + 10:
+                info[key] = f"skipped: {left:.0f} s of the time budget left"
+                continue
+            try:
+                with options.use(**opts):
+                    c, last_compile[0] = compile_model(model, inputs, dev)
+                    _row(table, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
+                         _paths(model, inputs), compile_s=last_compile[0])  # fmt: skip
+            except Exception as exc:
+                info[key] = f"failed: {exc!r}"[:500]
+                table.add(step_error(exc, label, inputs))
+            finally:
+                c = None
+                torch._dynamo.reset()
+                free()
+
+    for_boxes(None, eager, cfg, boxes, dev)
+    for tf32 in precisions:  # strict fp32 first
+        bench.set_tf32(tf32)
+        try:
+            for_boxes(None, compiled, cfg, boxes, dev)
+        finally:
+            bench.set_tf32(False)
     info["progress_seconds"] = round(time.time() - t_start, 1)
     return info
-
-
-def _sync(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.synchronize()
 
 
 def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
@@ -283,14 +251,14 @@ def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[di
     from .stages import cpu_us, device_us
 
     step()
-    _sync(dev)
+    sync(dev)
     activities = [ProfilerActivity.CPU]
     if dev == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for _ in range(iters):
             step()
-        _sync(dev)
+        sync(dev)
     time_us = device_us if dev == "cuda" else cpu_us
     times = stage_times(prof.events(), time_us, iters=iters)
     prov = bench.provenance(torch.float32)

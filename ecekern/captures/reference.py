@@ -14,7 +14,7 @@ import torch
 
 from .. import bench, options
 from . import schema
-from .common import force_row, free, profile_table, run_ncu
+from .common import compile_model, for_boxes, force_row, free, ncu_part, profile_table
 
 __all__ = ["PARTS", "PEERS", "peer_models"]
 
@@ -83,9 +83,7 @@ def _progress(run, arg: str) -> dict:
     return progress.capture(run.out, _boxes(run), quick=run.quick, budget_s=budget)
 
 
-def _ncu(run, arg: str) -> dict:
-    out = run.out / "ncu_force_step.csv"
-    return {"ncu_force_step": run_ncu("force_step", out, timeout=180)}
+_ncu = ncu_part({"force_step": ("force_step", None)}, timeout=180)
 
 
 def _inputs(rep: int, dtype: torch.dtype):
@@ -132,24 +130,17 @@ def _reference(run, arg: str) -> str:
 
 def _profiles(run, arg: str) -> str:
     """Profiles of the strict-fp32 reference: the force step and the forward."""
-    import ecekern
     from ecekern.model import force_step
 
-    out = run.out
-    for rep in _boxes(run):
-        cfg, inputs = _inputs(rep, torch.float32)
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+    def body(rep, model, inputs):
         n = inputs[0].shape[0]
         with options.use(**REFERENCE):
-            profile_table(
-                lambda m=model, i=inputs: force_step(m, *i), out, f"profile_step_{n}"
-            )
+            profile_table(lambda: force_step(model, *inputs), run.out,
+                          f"profile_step_{n}")  # fmt: skip
             with torch.no_grad():
-                profile_table(
-                    lambda m=model, i=inputs: m(*i), out, f"profile_forward_{n}"
-                )
-        model = inputs = None
-        free()
+                profile_table(lambda: model(*inputs), run.out, f"profile_forward_{n}")
+
+    for_boxes(run, body, reps=_boxes(run))
     return "done"
 
 
@@ -158,7 +149,6 @@ def _peers(run, arg: str) -> dict:
     ``torch.compile`` (a fresh compile per box: static shapes, as a user with one
     system has), e3nn's and cuEquivariance's tensor-product convolutions."""
     import ecekern
-    from ecekern.model import force_step
 
     rows, info, out = [], {}, run.out / "peers.csv"
     compiled_plan = schema.plan({**REFERENCE, "compile": True})
@@ -167,12 +157,7 @@ def _peers(run, arg: str) -> dict:
         model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
         try:
             with options.use(**REFERENCE):
-                torch._dynamo.reset()
-                compiled = torch.compile(model)
-                t0 = time.perf_counter()
-                force_step(compiled, *inputs)
-                torch.cuda.synchronize()
-                compile_s = time.perf_counter() - t0
+                compiled, compile_s = compile_model(model, inputs)
                 name = "reference + torch.compile"
                 rows.append(force_row(name, compiled, inputs, compiled_plan,
                                       forward=True, compile_s=compile_s))  # fmt: skip

@@ -153,11 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--no-ncu", action="store_true")
-    ap.add_argument(
-        "--parts",
-        default=None,
-        help="the chapter's parts, comma-separated (e.g. 01_reference: progress)",
-    )
+    ap.add_argument("--parts", default=None, help="the chapter's parts, comma-"
+                    "separated (e.g. 01_reference: progress)")  # fmt: skip
     ap.add_argument("--boxes", default=None, help="diamond repeats, e.g. 4,8")
     ap.add_argument(
         "--cpu", action="store_true", help="run without a GPU (a smoke test)"

@@ -44,19 +44,25 @@ def gemm():
     _in_range(lambda: a @ b)
 
 
-def force_step(repeats: int = 4):
-    """The reference's force step, strict fp32 (chapter 1)."""
+def _step(repeats: int):
+    """The book's model and the prepared inputs of ``diamond(repeats)``, fp32."""
     import ecekern
-    from ecekern import options
     from ecekern.model import force_step as step
     from ecekern.model import prepare_inputs
 
     model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
-    inputs = prepare_inputs(
-        ecekern.systems.diamond(repeats), model.config.cutoff, torch.float32, "cuda"
-    )
+    atoms = ecekern.systems.diamond(repeats)
+    inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
+    return lambda: step(model, *inputs)
+
+
+def force_step(repeats: int = 4):
+    """The reference's force step, strict fp32 (chapter 1)."""
+    from ecekern import options
+
+    step = _step(repeats)
     with options.use(reference=True):
-        _in_range(lambda: step(model, *inputs))
+        _in_range(step)
 
 
 def default_step(repeats: int = 8):
@@ -64,15 +70,7 @@ def default_step(repeats: int = 8):
     chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step. Its
     backward runs on autograd's own thread, outside the NVTX range: select the
     step's kernels with ``--launch-skip`` and ``--launch-count`` instead."""
-    import ecekern
-    from ecekern.model import force_step as step
-    from ecekern.model import prepare_inputs
-
-    model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
-    inputs = prepare_inputs(
-        ecekern.systems.diamond(repeats), model.config.cutoff, torch.float32, "cuda"
-    )
-    _in_range(lambda: step(model, *inputs))
+    _in_range(_step(repeats))
 
 
 def edge_frame(rep: int = 8):
@@ -82,21 +80,9 @@ def edge_frame(rep: int = 8):
     from ecekern.captures.edge_frame import _frames, _ops, step_tensors
 
     t = step_tensors(rep, dev="cuda")
-    runs = []
-    for variant in ("table", "packed"):
-        ops = _ops(_frames(t, variant), t)
-        runs.append(ops)
-    for _ in range(2):  # warm up (compiles)
-        for ops in runs:
-            for f in ops.values():
-                f()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("ece")
-    for ops in runs:
-        for name in ("rotate_fwd", "unrotate_fwd", "unrotate_bwd", "rotate_bwd"):
-            ops[name]()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    runs = [_ops(_frames(t, variant), t) for variant in ("table", "packed")]
+    order = ("rotate_fwd", "unrotate_fwd", "unrotate_bwd", "rotate_bwd")
+    _in_range(lambda: [ops[name]() for ops in runs for name in order])
 
 
 def _eqlin_inputs(E: int, F: int, n_ang: int):
@@ -216,22 +202,30 @@ def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **
                   warmup=1)  # fmt: skip
 
 
+def _randn():
+    """``r(*shape, scale=1.0)``: standard normal values on the GPU, seeded."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return lambda *shape, scale=1.0: scale * torch.randn(*shape, device="cuda",
+                                                          generator=g)  # fmt: skip
+
+
+def _stack_weights(r, F, FO, n_ang):
+    """A stack of two gated layers of width F and its output layer to FO: (weights,
+    biases, output weight, output bias)."""
+    ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
+    return ws, bs, r(n_ang, FO, F, scale=F**-0.5), r(FO)
+
+
 def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     """Chapter 6's layer kernels (K = 2) on one cohort of the library's size, fp32:
     the forward, then the force backward, at each precision, the library's tiles,
     skipping the m = 0 sin part as the model does (``sin0_zero``)."""
     from ecekern import stack_layers
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*shape, scale=1.0):
-        return scale * torch.randn(*shape, device="cuda", generator=g)
-
+    r = _randn()
     x = [r(E, F, n_ang) for _ in range(2)]
     gy = [r(E, FO, n_ang) for _ in range(2)]
-    ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
-    wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    _stack_ranges(stack_layers, x, gy, ws, bs, wo, bo,
+    _stack_ranges(stack_layers, x, gy, *_stack_weights(r, F, FO, n_ang),
                   ("fp32", "tf32", "3xtf32", "bf16"), sin0_zero=True)  # fmt: skip
 
 
@@ -245,19 +239,12 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
     from ecekern import stack_fused
     from ecekern._planes import planes_pair
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*shape, scale=1.0):
-        return scale * torch.randn(*shape, device="cuda", generator=g)
-
-    F, FO, n_ang = 192, 96, 3
+    r, (F, FO, n_ang) = _randn(), (192, 96, 3)
     P, *x = planes_pair(r(1), E, F, n_ang)
     P.copy_(r(*P.shape))
     Q, *gy = planes_pair(r(1), E, FO, n_ang)
     Q.copy_(r(*Q.shape))
-    ws, bs = [r(n_ang, F, F, scale=F**-0.5) for _ in range(2)], [r(F), r(F)]
-    wo, bo = r(n_ang, FO, F, scale=F**-0.5), r(FO)
-    _stack_ranges(stack_fused, x, gy, ws, bs, wo, bo,
+    _stack_ranges(stack_fused, x, gy, *_stack_weights(r, F, FO, n_ang),
                   ("fp32", "3xtf32", "tf32", "bf16"), recompute, sin0_zero=True,
                   cohort_edges=E)  # fmt: skip
 
@@ -268,18 +255,11 @@ def cohorts_stack_recompute(E: int = 65_536):
 
 
 TARGETS = {
-    "cohorts_layers": cohorts_layers,
-    "cohorts_stack": cohorts_stack,
-    "cohorts_stack_recompute": cohorts_stack_recompute,
-    "copy": copy,
-    "gemm": gemm,
-    "force_step": force_step,
-    "default_step": default_step,
-    "eqlin_triton": eqlin_triton,
-    "eqlin_dense": eqlin_dense,
-    "zonal_fused": zonal_fused,
-    "edge_frame": edge_frame,
-}
+    f.__name__: f
+    for f in (cohorts_layers, cohorts_stack, cohorts_stack_recompute, copy, gemm,
+              force_step, default_step, eqlin_triton, eqlin_dense, zonal_fused,
+              edge_frame)
+}  # fmt: skip
 
 if __name__ == "__main__":
     TARGETS[sys.argv[1]]()

@@ -24,20 +24,20 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, options
+from .. import bench
 from . import schema
 from .common import (
     LaunchCase,
     ceilings,
-    error_row,
-    force_row,
     free,
     launch_sweep,
     launch_to_json,
     launches_env,
+    ncu_part,
+    option_steps,
     profile_table,
     rel_err_gpu,
-    run_ncu,
+    timing_columns,
 )
 
 __all__ = ["PARTS", "launch_label"]
@@ -71,21 +71,10 @@ def _launch_part(run, arg: str) -> dict:
     return note
 
 
-def _ncu(run, arg: str) -> dict:
-    from .. import zonal
-
-    library = launch_to_json("zonal", zonal.ZonalLaunch())
-    launches = [run.info.get("launch_json", library)]
-    if launches[0] != library:
-        launches.append(library)
-    env = launches_env("ECEKERN_CAPTURE_ZONAL", launches)
-    return {"ncu_fused": run_ncu("zonal_fused", run.out / "ncu_fused.csv", env=env)}
-
-
 # --------------------------------------------------------------------------------------
 # launch sweep
 # --------------------------------------------------------------------------------------
-def launch_cases(L: int, C: int, E: int, floor: float, quick: bool) -> list[LaunchCase]:
+def launch_cases(L, C, E, nbytes, floor, quick) -> list[LaunchCase]:
     """The forward's (BLOCK_E, warps, stages of the CSR walk) and the gather's
     (BLOCK_E, warps) as ``ZonalLaunch`` objects: BLOCK_E times the padded rows and
     channels of one edge is the tile."""
@@ -97,22 +86,21 @@ def launch_cases(L: int, C: int, E: int, floor: float, quick: bool) -> list[Laun
     base = zonal.ZonalLaunch()
     cases = []
     sizes = (4, 8, 16) if quick else (4, 8, 16, 32)
-    cols = {"E": E, "L": L, "C": C}
+    problem = f"E={E}, L={L}, C={C}"
     for be, warps, stages in itertools.product(sizes, (1, 2, 4), (1, 3, 4)):
         tile = be * zonal.fwd_rows(L) * C_PAD
         launch = dataclasses.replace(
             base, fwd_tile=tile, fwd_warps=warps, fwd_stages=stages
         )
-        keys = {"kind": "forward", "variant": "degrees", "block_e": be}
-        keys |= {"warps": warps, "stages": stages, "acc": "edge"}
-        columns = cols | {"floor_ms": floor}
-        cases.append(LaunchCase("forward", launch, keys, columns=columns))
+        keys = {"variant": "degrees", "block_e": be, "warps": warps, "stages": stages}
+        cases.append(LaunchCase("forward", launch, "forward", problem, E,
+                                keys | {"acc": "edge"}, nbytes=nbytes,
+                                columns={"floor_ms": floor}))  # fmt: skip
     for be, warps in itertools.product(sizes, (1, 2, 4)):
         launch = dataclasses.replace(base, bwd_tile=be * S_PAD * C_PAD, bwd_warps=warps)
-        keys = {"kind": "backward", "variant": "edge", "block_e": be}
-        keys |= {"warps": warps, "stages": 1, "acc": ""}
-        columns = cols | {"floor_ms": float("nan")}
-        cases.append(LaunchCase("backward", launch, keys, columns=columns))
+        keys = {"variant": "edge", "block_e": be, "warps": warps, "stages": 1}
+        cases.append(LaunchCase("backward", launch, "backward", problem, E,
+                                keys | {"acc": ""}))  # fmt: skip
     return cases
 
 
@@ -139,7 +127,7 @@ def _launch(out: Path, quick: bool, dev: str):
     Z, R, G = Z64.float(), R64.float(), G64.float()
     model = zonal.traffic(E, N, L, C, 4)
     floor = bench.floor_ms(model["bytes_fwd"], 0, ceilings()["copy_GBps"])
-    cases = launch_cases(L, C, E, floor, quick or dev != "cuda")
+    cases = launch_cases(L, C, E, model["bytes_fwd"], floor, quick or dev != "cuda")
     if dev != "cuda":  # the interpreter runs every launch at BLOCK_E = 16: a few
         cases = cases[:2] + [c for c in cases if c.group == "backward"][:2]
 
@@ -155,17 +143,12 @@ def _launch(out: Path, quick: bool, dev: str):
 
     best = launch_sweep(cases, run, check, out / "launch_sweep.csv")
     chosen = zonal.ZonalLaunch()
-    if "forward" in best:
-        f = best["forward"].launch
-        chosen = dataclasses.replace(
-            chosen,
-            fwd_tile=f.fwd_tile,
-            fwd_warps=f.fwd_warps,
-            fwd_stages=f.fwd_stages,
-        )
-    if "backward" in best:
-        b = best["backward"].launch
-        chosen = dataclasses.replace(chosen, bwd_tile=b.bwd_tile, bwd_warps=b.bwd_warps)
+    fields = {"forward": ("fwd_tile", "fwd_warps", "fwd_stages"),
+              "backward": ("bwd_tile", "bwd_warps")}  # fmt: skip
+    for group, names in fields.items():
+        if group in best:
+            won = {k: getattr(best[group].launch, k) for k in names}
+            chosen = dataclasses.replace(chosen, **won)
     free()
     return chosen
 
@@ -206,56 +189,41 @@ def _sweep(run, arg: str) -> str:
         truth = reference.zonal_scatter(Z64, R64, dst, row_ptr, 0.1)
         Z, R = Z64.float().requires_grad_(), R64.float().requires_grad_()
         model = zonal.traffic(E, N, L, C, 4)
+        floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
+        problem = f"E={E}, L={L}, C={C}"
         for name, fn in ops.items():
             try:
-                row = _sweep_row(fn, name == "fused", Z, R, dst, row_ptr, truth)
+                t, cols = _sweep_row(fn, name == "fused", Z, R, dst, row_ptr, truth)
             except Exception as exc:
-                rows.append(error_row(exc, torch.float32, E=E, L=L, C=C, op=name))
-                bench.write_csv(rows, out / "scatter_sweep.csv")
+                err = repr(exc)[:300]
+                rows.append(schema.kernel_row(name, problem, E, "float32", None,
+                                              L=L, C=C, error=err))  # fmt: skip
+                schema.write(rows, out / "scatter_sweep.csv", schema.KERNEL_COLUMNS)
                 continue
-            floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
-            gpu_f, b2b_f = row["forward_gpu_ms"], row["forward_b2b_ms"]
-            rows.append(
-                {
-                    "E": E,
-                    "N": N,
-                    "L": L,
-                    "C": C,
-                    "op": name,
-                    **row,
-                    "bytes_fwd": model["bytes_fwd"],
-                    "floor_ms": floor,
-                    "floor_fraction": floor / row["forward_ms"],
-                    "floor_fraction_gpu": floor / gpu_f,
-                    "floor_fraction_b2b": floor / b2b_f,
-                    "config": label if name == "fused" else "",
-                    **bench.provenance(torch.float32),
-                }
-            )
-            r = rows[-1]
-            print(
-                name,
-                E,
-                L,
-                C,
-                f"fwd {r['forward_ms']:.3f} ms (gpu {gpu_f:.3f}, b2b {b2b_f:.3f})",
-                f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms (gpu {r['fwd_bwd_gpu_ms']:.3f})",
-                f"err {r['rel_err_vs_fp64']:.1e}",
-                flush=True,
-            )
-            bench.write_csv(rows, out / "scatter_sweep.csv")
+            gpu_f, b2b_f = cols["forward_gpu_ms"], cols["forward_b2b_ms"]
+            rows.append(schema.kernel_row(
+                name, problem, E, "float32", t, model["bytes_fwd"], N=N, L=L, C=C,
+                **cols, floor_ms=floor, floor_fraction=floor / t.median,
+                floor_fraction_gpu=floor / gpu_f, floor_fraction_b2b=floor / b2b_f,
+                config=label if name == "fused" else "",
+            ))  # fmt: skip
+            print(name, E, L, C, f"fwd {t.median:.3f} ms (gpu {gpu_f:.3f}, b2b "
+                  f"{b2b_f:.3f}) fwd+bwd {cols['fwd_bwd_ms']:.3f} ms (gpu "
+                  f"{cols['fwd_bwd_gpu_ms']:.3f}) err {cols['rel_err_vs_fp64']:.1e}",
+                  flush=True)  # fmt: skip
+            schema.write(rows, out / "scatter_sweep.csv", schema.KERNEL_COLUMNS)
         free()
 
 
-def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> dict:
-    """One op at one shape: eager times, and for the fused op its kernels' GPU time
-    alone (CUDA graph replay: the op's host-side launch cost is larger than its
-    kernels at small E) and back to back. The backward's kernel is the gather
+def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> tuple:
+    """One op at one shape: its eager forward's Timing and its other columns: eager
+    times, and for the fused op its kernels' GPU time alone (CUDA graph replay: the
+    op's host-side launch cost is larger than its kernels at small E) and back to
+    back. The backward's kernel is the gather
     (autograd's engine is not graphed; the reference checks its CSR on the host: not
     capturable)."""
     from .. import zonal
 
-    nan = float("nan")
     args = (Z.detach(), R.detach(), dst, row_ptr, 0.1)
     h = fn(Z, R, dst, row_ptr, 0.1)
     err = rel_err_gpu(h, truth)
@@ -285,22 +253,14 @@ def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> dict:
                 for a in (args, args2)
             ]
         )
-    return {
-        "forward_ms": t_f.median,
-        "forward_p10_ms": t_f.p10,
-        "forward_p90_ms": t_f.p90,
-        "fwd_bwd_ms": t_fb.median,
-        "forward_gpu_ms": g_f.median if g_f else nan,
-        "forward_gpu_p10_ms": g_f.p10 if g_f else nan,
-        "forward_gpu_p90_ms": g_f.p90 if g_f else nan,
-        "fwd_bwd_gpu_ms": g_fb.median if g_fb else nan,
-        "forward_b2b_ms": b_f.median if b_f else nan,
-        "forward_b2b_p10_ms": b_f.p10 if b_f else nan,
-        "forward_b2b_p90_ms": b_f.p90 if b_f else nan,
-        "fwd_bwd_b2b_ms": b_fb.median if b_fb else nan,
-        "peak_MiB": mem / 2**20,
+    nan = bench.Timing(float("nan"), float("nan"), float("nan"), 0)  # not timed
+    g_f, g_fb, b_f, b_fb = (x or nan for x in (g_f, g_fb, b_f, b_fb))
+    return t_f, {
+        "fwd_bwd_ms": t_fb.median, **timing_columns("forward_gpu", g_f),
+        "fwd_bwd_gpu_ms": g_fb.median, **timing_columns("forward_b2b", b_f),
+        "fwd_bwd_b2b_ms": b_fb.median, "peak_MiB": mem / 2**20,
         "rel_err_vs_fp64": err,
-    }
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -328,35 +288,35 @@ def _model_steps(run, arg: str) -> str:
     """model_steps.csv (step schema, ``kind``: force or training step): the reference
     scatter against the fused op, strict fp32: time, peak memory, and a profiler
     table of each at the larger box."""
-    import ecekern
     from ecekern import zonal
-    from ecekern.model import force_step, prepare_inputs
+    from ecekern.model import force_step
 
-    cfg, out = ecekern.ECEConfig(), run.out
-    rows = []
-    boxes = [2] if run.quick else [4, 8]
-    label = launch_label(zonal.ZonalLaunch())
-    for rep in boxes:
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-        inputs = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-        )
-        n = inputs[0].shape[0]
-        for scatter, opts in STEP_OPTIONS.items():
-            with options.use(**opts):
-                for kind, fn in (("force step", force_step), ("training step", _train)):
-                    config = label if scatter == "fused" else ""
-                    plan = schema.plan(opts)
-                    rows.append(force_row(scatter, model, inputs, plan, step=fn,
-                                          kind=kind, config=config))  # fmt: skip
-                    schema.write(rows, out / "model_steps.csv")
-                    if rep == boxes[-1]:
-                        stem = f"profile_{kind.split()[0]}_{n}_{scatter}"
-                        profile_table(lambda fn=fn: fn(model, *inputs), out, stem)
-        model = inputs = None
-        free()
-    return "done"
+    label, reps = launch_label(zonal.ZonalLaunch()), run.reps(quick=(2,))
+    steps = (("force step", force_step), ("training step", _train))
+    cases = [(s, opts, {"step": fn, "kind": kind,
+                        "config": label if s == "fused" else ""})
+             for s, opts in STEP_OPTIONS.items() for kind, fn in steps]  # fmt: skip
+
+    def profile(rep, model, inputs, row, kw):
+        if rep == reps[-1]:
+            stem = f"profile_{kw['kind'].split()[0]}_{row['n_atoms']}_{row['system']}"
+            profile_table(lambda: kw["step"](model, *inputs), run.out, stem)
+
+    return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
+def _ncu_env(run) -> dict:
+    """The sweep's fastest launch (the library's without ``launch``), then the
+    library's if it differs, for the ``zonal_fused`` target."""
+    from .. import zonal
+
+    library = launch_to_json("zonal", zonal.ZonalLaunch())
+    launches = [run.info.get("launch_json", library)]
+    if launches[0] != library:
+        launches.append(library)
+    return launches_env("ECEKERN_CAPTURE_ZONAL", launches)
+
+
+_ncu = ncu_part({"fused": ("zonal_fused", None)}, env=_ncu_env)
 PARTS = {"launch": _launch_part, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")
