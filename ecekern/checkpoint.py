@@ -1,6 +1,6 @@
 """Saving and loading an :class:`~ecekern.ECEModel`: checkpoints and state dicts.
 
-A checkpoint (:meth:`ECEModel.save <ecekern.model.ECEModel.save>`) is one
+A checkpoint (:meth:`ECEModel.save <ecekern.ECEModel.save>`) is one
 ``torch.save`` file of plain containers, read back with ``torch.load(...,
 weights_only=True)`` (no code runs on load)::
 

@@ -179,8 +179,8 @@ def stack_precision(precision: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
-    """The plan for plain values (:func:`plan_for` gathers them): a device type and
-    capability, a dtype, the TF32 switch, :class:`Shapes` and
+    """The plan for plain values (:func:`~ecekern.plan_for` gathers them): a device
+    type and capability, a dtype, the TF32 switch, :class:`~ecekern.plan.Shapes` and
     :class:`~ecekern.options.Options`. Cached; each new plan is logged once (logger
     ``ecekern.plan``, level INFO)."""
     plan = _resolve(device_type, capability, dtype, tf32, shapes, opts)

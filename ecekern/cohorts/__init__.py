@@ -65,7 +65,7 @@ __all__ = ["COHORT_EDGES", "KERNELS", "PRECISIONS", "mixing_stack", "why_not"]
 #: Rows (edges) per cohort unless told otherwise (one value for the strategy and
 #: the kernels' cohort launchers, ``ecekern._stack_common.COHORT_EDGES``).
 COHORT_EDGES = _stack_common.COHORT_EDGES
-#: The precisions of the kernels' products, as callers name them: ``"fp32"``
+#: The precisions of the kernels' products as callers name them. ``"fp32"``
 #: (strict fp32 FMA; also the name for float64 rows), ``"3xtf32"`` (fp32-accurate,
 #: three TF32 products), ``"tf32"``, ``"bf16"`` (operands rounded to bfloat16, fp32
 #: sums).
