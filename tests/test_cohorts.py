@@ -336,7 +336,7 @@ def test_compile_with_sizes_that_vary(sizes, sin0):
                 "cohort_edges": 50,
                 "edge_frame": "packed",
             },
-            marks=needs_triton,
+            marks=[needs_triton, pytest.mark.slow],
         ),  # fmt: skip
     ],
     ids=["keep_z", "recompute", "fused", "fused-recompute"],
@@ -382,8 +382,8 @@ def test_model_with_cohorts_equals_without(monkeypatch, request, channels, opts)
     "edge_frame, fused",
     [
         ("reference", "linears"),
-        pytest.param("packed", "linears", marks=needs_triton),
-        pytest.param("packed", "layers", marks=needs_triton),
+        pytest.param("packed", "linears", marks=[needs_triton, pytest.mark.slow]),
+        pytest.param("packed", "layers", marks=[needs_triton, pytest.mark.slow]),
     ],
     ids=["reference", "packed", "packed-kernels"],
 )
