@@ -484,7 +484,7 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, quick_
         assert info["launch_json"]["kernel"] == "zonal"
 
 
-@pytest.mark.slow  # every row of the table, replays included: minutes in the interpreter
+@pytest.mark.slow  # every row of the table, replays too: minutes in the interpreter
 @pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     """Chapter 1's progress part on a tiny model and box: every eager row in the
