@@ -289,9 +289,9 @@ def test_the_reference_switch_reaches_the_model_through_the_plan():
     inside such a block."""
     Z, R, dst, row_ptr = _inputs(20, 4, 2, 3)
     h = zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5)
-    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1))
+    model = ecekern.ECEModel(ecekern.ECEConfig(channels=4, n_gated=1)).to(Z.device)
     with options.use(reference=True):
         assert torch.equal(zonal.zonal_scatter(Z, R, dst, row_ptr, 0.5), h)
         assert model.plan().zonal == "reference"
     with options.use(zonal="fused"):
-        assert model.plan().zonal == "fused"  # the interpreter's, on a CPU
+        assert model.plan().zonal == "fused"  # on a CPU: the interpreter's
