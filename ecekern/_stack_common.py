@@ -203,6 +203,23 @@ def check_biases(biases, bias_out, K, F, FO, dev, dt):
                 raise TypeError(f"{name} has dtype {bk.dtype} but the rows have {dt}")
 
 
+def backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E, checked):
+    """``(n_ang, F', F)`` of a backward launcher's call after its family's checks
+    (``checked``: the launchers' shared checks, with that family's ``why_not``) and
+    the output gradient's rows."""
+    n_ang, FO, F = checked(g_cos, weights, weight_out, precision, dt)
+    check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
+    return n_ang, FO, F
+
+
+def check_kept_z(z, K: int, n_ang: int, E: int, F: int, device) -> None:
+    """The kept pre-activations' shape ``(K, n_ang, 2, E, F)`` and layout, as the
+    forward launchers return them (contiguous)."""
+    check("z", z, (K, n_ang, 2, E, F), device)
+    if not z.is_contiguous():
+        raise ValueError("z must be contiguous, as stack_forward returns it")
+
+
 def check_z(z, g_cos, K: int):
     """The kept pre-activations' type, dtype (the output gradient's, ``g_cos``) and
     layer count (their shape is checked once the widths are known)."""

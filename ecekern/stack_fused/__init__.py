@@ -161,9 +161,8 @@ def stack_forward(x_cos, x_sin, weights, biases, weight_out, bias_out,
 
 
 def _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E):
-    n_ang, FO, F = _checked(g_cos, weights, weight_out, precision, dt)
-    _c.check_rows(E, FO, n_ang, g_cos.device, dt, g_cos=g_cos, g_sin=g_sin)
-    return n_ang, FO, F
+    return _c.backward_setup(g_cos, g_sin, weights, weight_out, precision, dt, E,
+                             _checked)  # fmt: skip
 
 
 def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "fp32",
@@ -181,9 +180,7 @@ def stack_backward(z, g_cos, g_sin, weights, weight_out, precision: str = "fp32"
     n_ang, FO, F = _backward_setup(g_cos, g_sin, weights, weight_out, precision, dt,
                                    E)  # fmt: skip
     prec = kernel_precision(precision)
-    _c.check("z", z, (K, n_ang, 2, E, F), dev)
-    if not z.is_contiguous():
-        raise ValueError("z must be contiguous, as stack_forward returns it")
+    _c.check_kept_z(z, K, n_ang, E, F, dev)
     gP, dxP, dx_cos, dx_sin = _c.out_layout(g_cos, g_sin, E, F, n_ang)
     spans = _c.cohort_spans(E, cohort_edges)
     if not spans:
