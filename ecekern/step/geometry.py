@@ -46,6 +46,8 @@ from .._triton import tl, triton, why_not_triton
 from ..edge_frame import pack
 from ..graph import Graph, edge_vectors
 from . import wigner
+from .wigner_l2m1 import adjoint_L2M1, packed_L2M1
+from .wigner_l2m2 import adjoint_L2M2, packed_L2M2
 
 __all__ = ["geometry", "geometry_torch", "why_not"]
 
@@ -147,9 +149,9 @@ def _geometry_fwd_kernel(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, p_ptr, 
         if M == 0:
             wigner.packed_L2M0(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
         elif M == 1:
-            wigner.packed_L2M1(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
+            packed_L2M1(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
         else:
-            wigner.packed_L2M2(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
+            packed_L2M2(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
     env, _ = _envelope(d, inv_cutoff)
     tl.store(d_ptr + e, d, mask=mask)
     tl.store(env_ptr + e, env, mask=mask)
@@ -180,10 +182,10 @@ def _geometry_bwd_kernel(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, gp_ptr,
             q = wigner.adjoint_L2M0(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
         elif M == 1:
-            q = wigner.adjoint_L2M1(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
+            q = adjoint_L2M1(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
         else:
-            q = wigner.adjoint_L2M2(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
+            q = adjoint_L2M2(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
     gx, gy, gz = wigner.rotation_adjoint(ux, uy, uz, s, w, q[0], q[1], q[2], q[3],
                                          q[4], q[5], q[6], q[7], q[8])  # fmt: skip

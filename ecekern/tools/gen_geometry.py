@@ -1,5 +1,5 @@
-"""Writes :mod:`ecekern.step.wigner`: the packed Wigner tiles of an edge frame as
-straight-line Triton code, and their adjoint.
+"""Writes :mod:`ecekern.step.wigner` and its siblings: the packed Wigner tiles of
+an edge frame as straight-line Triton code, and their adjoint.
 
 ``python -m ecekern.tools.gen_geometry`` (needs sympy) regenerates the file; a test
 checks that the file on disk is what this script writes.
@@ -30,9 +30,15 @@ import math
 import sys
 from pathlib import Path
 
-TARGET = Path(__file__).resolve().parents[1] / "step" / "wigner.py"
-#: The (L, M) variants written: the model's L = 1 and 2, every M <= L.
-VARIANTS = ((1, 0), (1, 1), (2, 0), (2, 1), (2, 2))
+STEP = Path(__file__).resolve().parents[1] / "step"
+#: The files written and the (L, M) variants in each (the model's L = 1 and 2, every
+#: M <= L; the first file also holds the edge rotation and its adjoint), so that no
+#: file passes 600 lines.
+FILES = {
+    "wigner.py": ((1, 0), (1, 1), (2, 0)),
+    "wigner_l2m1.py": ((2, 1),),
+    "wigner_l2m2.py": ((2, 2),),
+}
 
 
 def _sympy():
@@ -211,9 +217,30 @@ from .._triton import tl, triton
 '''
 
 
-def render() -> str:
+def render(name: str) -> str:
+    """The text of one generated file (:data:`FILES`)."""
     sp = _sympy()
     out = [_HEADER]
+    if name == "wigner.py":
+        out += _rotation_functions(sp)
+    for L, M in FILES[name]:
+        R, blocks = wigner_blocks(L)
+        fwd, bwd = _variant(sp, R, blocks, L, M)
+        args = "r0, r1, r2, r3, r4, r5, r6, r7, r8"
+        out.append(f"@triton.jit\ndef packed_L{L}M{M}(p_row, z_row, mask, {args}):\n"
+                   f'    """P (every slot) at p_row + k and Z at z_row, L = {L}, '
+                   f'M = {M}."""\n'
+                   f"{fwd}\n\n")  # fmt: skip
+        out.append(f"@triton.jit\ndef adjoint_L{L}M{M}(gp_row, gz_row, mask, {args}):\n"
+                   f'    """dLoss/dR from dP at gp_row + k and dZ at gz_row, L = {L}, '
+                   f'M = {M}."""\n'
+                   f"{bwd}\n"
+                   "    return q0, q1, q2, q3, q4, q5, q6, q7, q8\n\n")  # fmt: skip
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _rotation_functions(sp) -> list[str]:
+    out = []
     (ux, uy, uz), s, w, Rm = rotation(sp)
     gR = [sp.Symbol(f"q{j}") for j in range(9)]
     dw = {ux: 0, uy: 0, uz: -s * w**2}
@@ -232,38 +259,27 @@ def render() -> str:
                )  # fmt: skip
     out += _cse_lines(sp, du, ["gx", "gy", "gz"], "c", like="ux")
     out.append("    return gx, gy, gz\n\n")
-    for L, M in VARIANTS:
-        R, blocks = wigner_blocks(L)
-        fwd, bwd = _variant(sp, R, blocks, L, M)
-        args = "r0, r1, r2, r3, r4, r5, r6, r7, r8"
-        out.append(f"@triton.jit\ndef packed_L{L}M{M}(p_row, z_row, mask, {args}):\n"
-                   f'    """P (every slot) at p_row + k and Z at z_row, L = {L}, '
-                   f'M = {M}."""\n'
-                   f"{fwd}\n\n")  # fmt: skip
-        out.append(f"@triton.jit\ndef adjoint_L{L}M{M}(gp_row, gz_row, mask, {args}):\n"
-                   f'    """dLoss/dR from dP at gp_row + k and dZ at gz_row, L = {L}, '
-                   f'M = {M}."""\n'
-                   f"{bwd}\n"
-                   "    return q0, q1, q2, q3, q4, q5, q6, q7, q8\n\n")  # fmt: skip
-    return "\n".join(out).rstrip() + "\n"
+    return out
 
 
 def formatted(text: str) -> str:
     """``text`` through ``ruff format`` (the repository's settings)."""
     import subprocess
 
-    root = TARGET.parents[2]
+    root = STEP.parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(TARGET), "-"],
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename",
+         str(STEP / "x.py"), "-"],
         input=text, capture_output=True, text=True, check=True, cwd=root,
     )  # fmt: skip
     return out.stdout
 
 
 def main(argv=None) -> int:
-    text = formatted(render())
-    TARGET.write_text(text)
-    print(f"wrote {TARGET} ({len(text.splitlines())} lines)")
+    for name in FILES:
+        text = formatted(render(name))
+        (STEP / name).write_text(text)
+        print(f"wrote {STEP / name} ({len(text.splitlines())} lines)")
     return 0
 
 
