@@ -37,7 +37,7 @@ radial (E O); the backward reads d and g (E + E O) and writes g_d (E). The weigh
 ``n_rbf H1 + H1 H2 + H2 O + H1 + H2 + O`` (about 34k, 135 KB in fp32) are read by
 every program from L2: at ``BLOCK_E = 64`` about 2 KB of L2 reads per edge against
 the 1.8 KB of radial it writes. FLOPs per edge: ``2 (16 H1 + H1 H2 + H2 O)`` forward
-(66k at the chapter's sizes), about twice that again in the backward (its recompute,
+(68k at the chapter's sizes), about twice that again in the backward (its recompute,
 then the transposed products). At E = 365k in fp32: 654 MB written, 24 GFLOP forward.
 The composition it replaces writes and reads the basis, both hidden layers (pre- and
 post-activation) and y before the envelope's product.
@@ -52,7 +52,8 @@ up to 64, hidden widths up to 128 (padded to powers of two, at least 16), any O;
 any strides of d and g (the weights are made contiguous). Registered as
 ``torch.library`` ops (``ecekern::radial_fwd``, ``ecekern::radial_bwd_d``) with fake
 implementations, inside one autograd Function (:mod:`ecekern._autograd`'s style).
-Tested against the reference in float64 in Triton's CPU interpreter.
+Tested against the reference in float64 and float32 in Triton's CPU interpreter;
+not yet run or timed on a GPU (its test is marked ``gpu``); launch untuned.
 """
 
 from __future__ import annotations
@@ -440,17 +441,19 @@ class _RadialFn(torch.autograd.Function):
         d, *params = ctx.saved_tensors
         cutoff, n_rbf, precision = ctx.meta
         need = ctx.needs_input_grad
+        if torch.compiler.is_compiling():  # the engine's plan is not traceable
+            want = list(need[4:])
+        else:  # the weights' gradients: not in a force step
+            want = [n and engine_uses(node) for n, node in zip(need[4:], ctx.nodes)]
+        if not need[0] and not any(want):
+            return None, None, None, None, *(None,) * len(params)
         if torch.is_grad_enabled():  # a second derivative: differentiable PyTorch
 
             def fn(d, *p):
                 return radial_reference(d, _pairs(p), cutoff, n_rbf)
 
-            grads = torch_grads(fn, (d, *params), need[:1] + need[4:], (g,))
+            grads = torch_grads(fn, (d, *params), (need[0], *want), (g,))
             return grads[0], None, None, None, *grads[1:]
-        if torch.compiler.is_compiling():  # the engine's plan is not traceable
-            want = list(need[4:])
-        else:  # the weights' gradients: not in a force step
-            want = [n and engine_uses(node) for n, node in zip(need[4:], ctx.nodes)]
         g_w = [None] * len(params)
         if any(want):
             g_w = _weight_grads(g, d, params, cutoff, n_rbf, want)
