@@ -154,6 +154,15 @@ def test_second_derivative_by_the_reference():
     torch.autograd.gradgradcheck(fn, (x, cell), fast_mode=True)
 
 
+@pytest.mark.parametrize("L,M", [(1, 0), (2, 1), (2, 2), (3, 2)])
+def test_pack_is_the_edge_frame_layout(L, M):
+    """The reference composition packs D as the edge-frame kernels read it."""
+    from ecekern import edge_frame, so3
+
+    D = so3.edge_frames(L, torch.randn(6, 3, dtype=torch.float64))
+    assert torch.equal(G.pack(D, M), edge_frame.pack(D, M))
+
+
 def test_src_order_is_a_stable_sort_by_source():
     x, g = _system()
     ptr, perm = G.src_order(g)
