@@ -191,7 +191,7 @@ def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
     """The plan for plain values (:func:`~ecekern.plan_for` gathers them): a device
     type and capability, a dtype, the TF32 switch, :class:`~ecekern.plan.Shapes`,
     :class:`~ecekern.options.Options`, and whether ``torch.compile`` is tracing the
-    step (then the stack is the linears, without cohorts: :data:`COMPILED_STACK`).
+    step (then the stack is the linears, without cohorts: ``COMPILED_STACK``).
     Cached; each new plan is logged once (logger ``ecekern.plan``, level INFO)."""
     plan = _resolve(device_type, capability, dtype, tf32, shapes, opts, compiling)
     log.info("ecekern step plan:\n%r", plan)
