@@ -44,17 +44,18 @@ def stages(run, arg: str = "") -> str:
                 if run.dev == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                t = bench.time_fn(lambda: step(pos, graph), rep_ms=500, min_reps=10)
+                t = bench.time_fn(lambda s=step: s(pos, graph), rep_ms=500,
+                                  min_reps=10)  # fmt: skip
                 peak = (torch.cuda.max_memory_allocated() / 2**20
                         if run.dev == "cuda" else float("nan"))  # fmt: skip
+                plan = step.plan() or model.plan()
+                mode = "replay" if run.dev == "cuda" else "eager"
                 rows.append(dict(
                     atoms=len(atoms), edges=graph.n_edges, variant=name,
-                    plan=(step.plan() or model.plan()).describe(), mode="replay" if run.dev == "cuda"
-                    else "eager", step_ms=t.median, p10_ms=t.p10, p90_ms=t.p90,
-                    peak_MiB=peak,
+                    plan=plan.describe(), mode=mode, step_ms=t.median,
+                    p10_ms=t.p10, p90_ms=t.p90, peak_MiB=peak,
                 ))  # fmt: skip
                 print(rows[-1], flush=True)
-                del step
     prov = bench.provenance(torch.float32, "python -m ecekern.captures 07_step")
     bench.write_csv([r | prov for r in rows], run.out / "stages.csv")
     return f"{len(rows)} rows"
