@@ -45,7 +45,11 @@ def _stress_step(model, pos, numbers, graph):
     return torch.autograd.grad(e, eps)[0]
 
 
-@pytest.mark.parametrize("stages", sorted(STAGES))
+@pytest.mark.parametrize(
+    "stages",
+    [pytest.param("geometry", marks=pytest.mark.slow),
+     pytest.param("radial", marks=pytest.mark.slow), "both"],
+)  # fmt: skip
 def test_energy_forces_and_stress_match_the_reference(model, stages):
     pos, numbers, graph = _inputs()
     with options.use(reference=True):
@@ -61,6 +65,7 @@ def test_energy_forces_and_stress_match_the_reference(model, stages):
     assert rel_err(f, f0) < 1e-12 and rel_err(v, v0) < 1e-12
 
 
+@pytest.mark.slow
 def test_the_padded_step_matches_the_unpadded_one(model):
     pos, numbers, graph = _inputs(seed=1)
     with options.use(**STAGES["both"]):
