@@ -97,7 +97,11 @@ def test_no_edges_and_one_edge():
         want = _run(G.geometry_torch, x, sub, 2, 2)
         for name, a, b in zip(NAMES, got, want, strict=True):
             assert a.shape == b.shape, (keep, name)
-            assert rel_err(a, b) < 1e-12, (keep, name)
+            if name == "env":  # near r_c, u = 1 - 28 x^6 + 48 x^7 - 21 x^8 cancels:
+                # its absolute error is what float64 bounds, not its relative one
+                assert torch.all((a - b).abs() < 1e-13), (keep, name)
+            else:
+                assert rel_err(a, b) < 1e-12, (keep, name)
         assert got[0].shape == (keep, 9, 2, 3)
 
 
@@ -211,6 +215,7 @@ def test_the_generated_tiles_are_the_generators_output():
     """``python -m ecekern.tools.gen_geometry`` writes the three tile files: the
     stored ones are its output, unedited."""
     pytest.importorskip("sympy")
+    pytest.importorskip("ruff")  # the generator formats its output with ruff
     from ecekern.tools import gen_geometry
 
     for name in gen_geometry.FILES:

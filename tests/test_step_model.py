@@ -59,8 +59,9 @@ def test_energy_forces_and_stress_match_the_reference(model, stages):
         plan = model.plan()
         e, f = force_step(model, pos, numbers, graph)
         v = _stress_step(model, pos, numbers, graph)
-    assert (plan.geometry == "fused") == ("geometry" in STAGES[stages])
-    assert (plan.radial == "fused") == ("radial" in STAGES[stages])
+    for stage in ("geometry", "radial"):  # the others are auto: fused on CUDA
+        if stage in STAGES[stages]:
+            assert getattr(plan, stage) == "fused"
     assert rel_err(e, e0) < 1e-13
     assert rel_err(f, f0) < 1e-12 and rel_err(v, v0) < 1e-12
 

@@ -90,7 +90,8 @@ def test_edges_past_the_cutoff_are_exactly_zero():
     """Lengths at and past r_c (padding edges sit at 2 r_c): the envelope is zero, so
     radial and d's gradient are zero there, whatever the MLP's biases give."""
     d = _lengths(50, hi=1.5 * CUTOFF).detach()
-    d[[3, 7, 40]] = torch.tensor([CUTOFF, 2 * CUTOFF, 1.2 * CUTOFF], dtype=d.dtype)
+    d[[3, 7, 40]] = torch.tensor([CUTOFF, 2 * CUTOFF, 1.2 * CUTOFF], dtype=d.dtype,
+                                 device=d.device)  # fmt: skip
     d.requires_grad_()
     ws = _weights()
     got, gd = _run(R.radial, d, ws)

@@ -48,7 +48,7 @@ def stages(run, arg: str = "") -> str:
                                   min_reps=10)  # fmt: skip
                 peak = (torch.cuda.max_memory_allocated() / 2**20
                         if run.dev == "cuda" else float("nan"))  # fmt: skip
-                plan = step.plan() or model.plan()
+                plan = step.plan or model.plan()
                 mode = "replay" if run.dev == "cuda" else "eager"
                 rows.append(dict(
                     atoms=len(atoms), edges=graph.n_edges, variant=name,

@@ -44,15 +44,24 @@ import torch
 
 from .. import reference, so3
 from .._autograd import library_op, torch_grads, wrap_triton
-from .._triton import tl, triton, why_not_triton
+from .._triton import split_scale, tl, triton, why_not_triton
 from ..graph import Graph, edge_vectors
-from . import wigner
+from .wigner import (
+    adjoint_L1M0,
+    adjoint_L1M1,
+    adjoint_L2M0,
+    packed_L1M0,
+    packed_L1M1,
+    packed_L2M0,
+    rotation,
+    rotation_adjoint,
+)
 from .wigner_l2m1 import adjoint_L2M1, packed_L2M1
 from .wigner_l2m2 import adjoint_L2M2, packed_L2M2
 
 __all__ = ["geometry", "geometry_torch", "pack", "src_order", "why_not"]
 
-#: The (L, M) the generated tiles cover (``wigner.packed_L{L}M{M}``).
+#: The (L, M) the generated tiles cover (``packed_L{L}M{M}`` in the wigner files).
 VARIANTS = {(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)}
 BLOCK = 128  # edges per program
 WARPS = 4
@@ -62,10 +71,10 @@ WARPS = 4
 # kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _edge(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, e, E, pad_length,
+def _edge(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, e, E, pad_hi, pad_lo,
           PADDED: tl.constexpr):  # fmt: skip
     """r = x[src] + shift @ cell - x[dst] for the tile's edges, the padding edges
-    moved to (pad_length, 0, 0); and which edges pad."""
+    moved to (pad_hi + pad_lo, 0, 0); and which edges pad."""
     mask = e < E
     i = tl.load(src_ptr + e, mask=mask, other=0)
     j = tl.load(dst_ptr + e, mask=mask, other=0)
@@ -98,7 +107,7 @@ def _edge(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, e, E, pad_length,
     else:
         pad = e < 0
     pad = pad | far
-    rx = tl.where(pad, pad_length, rx)
+    rx = tl.where(pad, tl.zeros_like(rx) + pad_hi + pad_lo, rx)
     ry = tl.where(pad, 0.0, ry)
     rz = tl.where(pad, 0.0, rz)
     return rx, ry, rz, pad
@@ -115,72 +124,73 @@ def _frame(rx, ry, rz):
 
 
 @triton.jit
-def _envelope(d, inv_cutoff):
+def _envelope(d, ic_hi, ic_lo):
     """u(x) = 1 - 28 x^6 + 48 x^7 - 21 x^8 for x = d / r_c < 1, else 0; and
-    du/dd = -168 x^5 (1 - x)^2 / r_c."""
-    x = d * inv_cutoff
+    du/dd = -168 x^5 (1 - x)^2 / r_c; ``1 / r_c = ic_hi + ic_lo``."""
+    x = d * ic_hi + d * ic_lo
     x2 = x * x
     x5 = x2 * x2 * x
     x6 = x5 * x
     env = 1.0 - 28.0 * x6 + 48.0 * x6 * x - 21.0 * x6 * x2
-    denv = -168.0 * x5 * (1.0 - x) * (1.0 - x) * inv_cutoff
+    t = -168.0 * x5 * (1.0 - x) * (1.0 - x)
+    denv = t * ic_hi + t * ic_lo
     inside = x < 1.0
     return tl.where(inside, env, 0.0), tl.where(inside, denv, 0.0)
 
 
 @triton.jit
 def _geometry_fwd_kernel(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, p_ptr, z_ptr,
-                         d_ptr, env_ptr, E, pad_length, inv_cutoff, L: tl.constexpr,
-                         M: tl.constexpr, PADDED: tl.constexpr,
+                         d_ptr, env_ptr, E, pad_hi, pad_lo, ic_hi, ic_lo,
+                         L: tl.constexpr, M: tl.constexpr, PADDED: tl.constexpr,
                          BLOCK: tl.constexpr):  # fmt: skip
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < E
     rx, ry, rz, pad = _edge(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, e, E,
-                            pad_length, PADDED)  # fmt: skip
+                            pad_hi, pad_lo, PADDED)  # fmt: skip
     d, ux, uy, uz, s, w = _frame(rx, ry, rz)
-    r0, r1, r2, r3, r4, r5, r6, r7, r8 = wigner.rotation(ux, uy, uz, s, w)
+    r0, r1, r2, r3, r4, r5, r6, r7, r8 = rotation(ux, uy, uz, s, w)
     SLOTS: tl.constexpr = (L + 1) * (L + 1) * 2 * (M + 1)
     p_row, z_row = p_ptr + e * SLOTS, z_ptr + e * ((L + 1) * (L + 1) - 1)
     if L == 1:
         if M == 0:
-            wigner.packed_L1M0(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
+            packed_L1M0(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
         else:
-            wigner.packed_L1M1(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
+            packed_L1M1(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
     else:
         if M == 0:
-            wigner.packed_L2M0(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
+            packed_L2M0(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
         elif M == 1:
             packed_L2M1(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
         else:
             packed_L2M2(p_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7, r8)
-    env, _ = _envelope(d, inv_cutoff)
+    env, _ = _envelope(d, ic_hi, ic_lo)
     tl.store(d_ptr + e, d, mask=mask)
     tl.store(env_ptr + e, env, mask=mask)
 
 
 @triton.jit
 def _geometry_bwd_kernel(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, gp_ptr,
-                         gz_ptr, gd_ptr, genv_ptr, gr_ptr, E, pad_length, inv_cutoff,
-                         L: tl.constexpr, M: tl.constexpr, PADDED: tl.constexpr,
+                         gz_ptr, gd_ptr, genv_ptr, gr_ptr, E, pad_hi, pad_lo, ic_hi,
+                         ic_lo, L: tl.constexpr, M: tl.constexpr, PADDED: tl.constexpr,
                          BLOCK: tl.constexpr):  # fmt: skip
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < E
     rx, ry, rz, pad = _edge(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, e, E,
-                            pad_length, PADDED)  # fmt: skip
+                            pad_hi, pad_lo, PADDED)  # fmt: skip
     d, ux, uy, uz, s, w = _frame(rx, ry, rz)
-    r0, r1, r2, r3, r4, r5, r6, r7, r8 = wigner.rotation(ux, uy, uz, s, w)
+    r0, r1, r2, r3, r4, r5, r6, r7, r8 = rotation(ux, uy, uz, s, w)
     SLOTS: tl.constexpr = (L + 1) * (L + 1) * 2 * (M + 1)
     g_row, z_row = gp_ptr + e * SLOTS, gz_ptr + e * ((L + 1) * (L + 1) - 1)
     if L == 1:
         if M == 0:
-            q = wigner.adjoint_L1M0(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
+            q = adjoint_L1M0(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
         else:
-            q = wigner.adjoint_L1M1(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
+            q = adjoint_L1M1(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
     else:
         if M == 0:
-            q = wigner.adjoint_L2M0(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
+            q = adjoint_L2M0(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
         elif M == 1:
             q = adjoint_L2M1(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
@@ -188,9 +198,9 @@ def _geometry_bwd_kernel(pos_ptr, src_ptr, dst_ptr, shift_ptr, cell_ptr, gp_ptr,
         else:
             q = adjoint_L2M2(g_row, z_row, mask, r0, r1, r2, r3, r4, r5, r6, r7,
                                     r8)  # fmt: skip
-    gx, gy, gz = wigner.rotation_adjoint(ux, uy, uz, s, w, q[0], q[1], q[2], q[3],
+    gx, gy, gz = rotation_adjoint(ux, uy, uz, s, w, q[0], q[1], q[2], q[3],
                                          q[4], q[5], q[6], q[7], q[8])  # fmt: skip
-    _, denv = _envelope(d, inv_cutoff)
+    _, denv = _envelope(d, ic_hi, ic_lo)
     g_len = tl.load(gd_ptr + e, mask=mask, other=0.0) + denv * tl.load(
         genv_ptr + e, mask=mask, other=0.0
     )
@@ -240,9 +250,9 @@ def geometry_fwd(positions, cell, src, dst, shifts, pad_length: float, cutoff: f
     d, env = like.new_empty((E,)), like.new_empty((E,))
     if E:
         wrap_triton(_geometry_fwd_kernel)[(triton.cdiv(E, BLOCK),)](
-            positions, src, dst, shifts, cell, P, Z, d, env, E, float(pad_length),
-            1.0 / float(cutoff), L=int(L), M=int(M), PADDED=bool(padded), BLOCK=BLOCK,
-            num_warps=WARPS,
+            positions, src, dst, shifts, cell, P, Z, d, env, E,
+            *split_scale(float(pad_length)), *split_scale(1.0 / float(cutoff)),
+            L=int(L), M=int(M), PADDED=bool(padded), BLOCK=BLOCK, num_warps=WARPS,
         )  # fmt: skip
     return P, Z, d, env
 
@@ -256,8 +266,8 @@ def geometry_bwd(gP, gZ, gd, genv, positions, cell, src, dst, shifts,
     if E:
         wrap_triton(_geometry_bwd_kernel)[(triton.cdiv(E, BLOCK),)](
             positions, src, dst, shifts, cell, gP, gZ, gd, genv, gr, E,
-            float(pad_length), 1.0 / float(cutoff), L=int(L), M=int(M),
-            PADDED=bool(padded), BLOCK=BLOCK, num_warps=WARPS,
+            *split_scale(float(pad_length)), *split_scale(1.0 / float(cutoff)),
+            L=int(L), M=int(M), PADDED=bool(padded), BLOCK=BLOCK, num_warps=WARPS,
         )  # fmt: skip
     return gr
 
