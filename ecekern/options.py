@@ -112,10 +112,11 @@ class Options:
         geometry: edge vectors, lengths, envelope and the packed frame tiles
             (chapter 7): ``"reference"`` (PyTorch, D formed) or ``"fused"`` (one
             kernel per edge tile, D never formed; needs ``edge_frame`` packed);
-            ``"auto"``: fused where the packed edge-frame kernels run.
+            ``"auto"``: the reference (the fused kernels await their GPU
+            validation).
         radial: the radial basis and MLP (chapter 7): ``"reference"`` or
             ``"fused"`` (one kernel per edge tile, in the stack's precision where
-            the kernel has it); ``"auto"``: fused on CUDA.
+            the kernel has it); ``"auto"``: the reference (as ``geometry``).
     """
 
     reference: bool = False

@@ -204,29 +204,32 @@ def test_the_repr_names_every_stage():
 
 
 def test_the_geometry_and_radial_stages():
-    """Chapter 7's stages: fused on CUDA (the radial kernel in the stack's
-    precision), the reference on the CPU; the fused geometry only beside the packed
-    edge-frame kernels (it never forms D), and a degree its tiles do not cover falls
-    back loudly."""
-    cuda = resolve("cuda")
+    """Chapter 7's stages: the reference by default (the fused kernels await their
+    GPU validation), fused when asked (the radial kernel in the stack's precision);
+    the fused geometry only beside the packed edge-frame kernels (it never forms D),
+    and a degree its tiles do not cover falls back loudly."""
+    FUSED = dict(geometry="fused", radial="fused")
+    cuda = resolve("cuda", **FUSED)
     assert (cuda.geometry, cuda.radial, cuda.radial_precision) == (
         "fused", "fused", "3xtf32")  # fmt: skip
-    assert resolve("cuda", precision="bf16", stack="layers").radial_precision == "tf32"
-    assert resolve("cuda", dtype=torch.float64).radial_precision == "fp32"
-    cpu = resolve("cpu")
-    assert (cpu.geometry, cpu.radial, cpu.fallbacks) == ("reference", "reference", ())
-    table = resolve("cuda", edge_frame="table")
-    assert table.geometry == "reference" and table.fallbacks == ()
+    assert cuda.fallbacks == ()
+    bf16 = resolve("cuda", precision="bf16", stack="layers", **FUSED)
+    assert bf16.radial_precision == "tf32"
+    assert resolve("cuda", dtype=torch.float64, **FUSED).radial_precision == "fp32"
+    for auto in (resolve("cpu"), resolve("cuda")):
+        assert (auto.geometry, auto.radial, auto.fallbacks) == (
+            "reference", "reference", ())  # fmt: skip
     asked = resolve("cuda", edge_frame="table", geometry="fused")
     ((stage, why, to),) = asked.fallbacks
     assert asked.geometry == "reference" and stage == "geometry [fused]"
     assert "edge_frame='table'" in why and "reference" in to
-    l4 = resolve("cuda", shapes=plan.Shapes(4, 2, 4, 1))
+    l4 = resolve("cuda", shapes=plan.Shapes(4, 2, 4, 1), geometry="fused")
     assert l4.geometry == "reference"
     assert any(s == "geometry [fused]" and "tiles" in w for s, w, _ in l4.fallbacks)
     both = resolve("cuda", reference=True)
     assert (both.geometry, both.radial) == ("reference", "reference")
-    wide = resolve("cuda", shapes=SHAPES._replace(radial=(8, 256, 64, 448)))
+    wide = resolve("cuda", shapes=SHAPES._replace(radial=(8, 256, 64, 448)),
+                   radial="fused")  # fmt: skip
     assert wide.radial == "reference"
     assert any(s == "radial [fused]" for s, _, _ in wide.fallbacks)
 

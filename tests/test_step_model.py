@@ -125,7 +125,8 @@ def test_gpu_the_book_model_in_float32(precision):
     inputs = prepare_inputs(atoms, 5.0, torch.float32, "cuda")
     with options.use(reference=True):
         ref = force_step(model, *inputs)
-    with options.use(precision=precision, stack="layers"):
+    with options.use(precision=precision, stack="layers", geometry="fused",
+                     radial="fused"):  # fmt: skip
         plan = model.plan()
         got = force_step(model, *inputs)
     assert (plan.geometry, plan.radial) == ("fused", "fused")
