@@ -36,9 +36,8 @@ from ase.calculators.calculator import (
     all_changes,
 )
 
-from .graph import build_graph, with_cell
-from .graph_step import GraphStep
-from .graph_step import strained as _strained
+from .graph import build_graph
+from .graph_step import GraphStep, eager_step
 from .model import unwrap
 
 __all__ = ["ECECalculator"]
@@ -212,21 +211,5 @@ class ECECalculator(Calculator):
         return float(out.energy), grads
 
     def _eager_step(self, positions, numbers, graph, cell, periodic):
-        kw = dict(dtype=self.dtype, device=self.device)
-        with torch.inference_mode(False), torch.enable_grad():
-            x = positions.detach().requires_grad_(True)
-            wrt = [x]
-            if periodic:
-                eps = torch.zeros(3, 3, **kw, requires_grad=True)
-                wrt.append(eps)
-                # shifts stay integer and fixed: r_e' = r_e (I + eps) exactly
-                graph = with_cell(graph, _strained(cell, eps))
-                energy = self.model(_strained(x, eps), numbers, graph)
-            else:
-                energy = self.model(x, numbers, graph)
-            if energy.requires_grad:
-                grads = torch.autograd.grad(energy, wrt, allow_unused=True)
-            else:  # no parameter needs grad and no edge: E does not depend on x
-                grads = (None,) * len(wrt)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
-        return float(energy.detach()), grads
+        energy, grads = eager_step(self.model, positions, numbers, graph, periodic)
+        return float(energy), grads

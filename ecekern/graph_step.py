@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from . import options
-from .graph import Graph, check_graph
+from .graph import Graph, check_graph, with_cell
 from .model import ECEModel, unwrap
 from .plan import plan_for
 
@@ -66,6 +66,29 @@ def strained(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     eps_ij`` with elementwise products: at ``eps = 0`` the value is ``x`` bit for bit,
     and no matmul can round ``x`` to TF32 when a user allows it for float32."""
     return x + (x[..., :, None] * eps).sum(-2)
+
+
+def eager_step(model, positions, numbers, graph: Graph, stress: bool):
+    """The force step without a CUDA graph: ``(energy, [dE/dx, dE/d eps])`` at zero
+    strain (``dE/d eps``, the virial in eV, only with ``stress``: the positions and
+    the cell strained by ``I + eps``, the shifts integer and fixed, so
+    ``r_e' = r_e (I + eps)`` exactly). A gradient that nothing reaches (no edge and
+    no parameter needing one) is zero."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = positions.detach().requires_grad_(True)
+        wrt = [x]
+        if stress:
+            eps = torch.zeros(3, 3, dtype=x.dtype, device=x.device, requires_grad=True)
+            wrt.append(eps)
+            graph = with_cell(graph, strained(graph.cell, eps))
+            x = strained(x, eps)
+        energy = model(x, numbers, graph)
+        if energy.requires_grad:
+            grads = torch.autograd.grad(energy, wrt, allow_unused=True)
+        else:  # E does not depend on x
+            grads = (None,) * len(wrt)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
+    return energy.detach(), grads
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 import torch_sim as ts
 from torch_sim.models.interface import ModelInterface
 
-from .graph import build_graph, with_cell
-from .graph_step import GraphStep, strained
+from .graph import build_graph
+from .graph_step import GraphStep, eager_step
 from .model import ECEModel
 
 __all__ = ["ECETorchSimModel"]
@@ -110,18 +110,5 @@ class ECETorchSimModel(ModelInterface):
                 self._steps[b] = kept
             r = kept[1](x, graph)
             return r.energy, r.forces, r.virial
-        with torch.inference_mode(False), torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            wrt = [x]
-            if stress:
-                eps = torch.zeros(3, 3, dtype=x.dtype, device=x.device,
-                                  requires_grad=True)  # fmt: skip
-                wrt.append(eps)
-                graph = with_cell(graph, strained(cell, eps))
-                energy = self.model(strained(x, eps), numbers, graph)
-            else:
-                energy = self.model(x, numbers, graph)
-            grads = torch.autograd.grad(energy, wrt, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
-        virial = grads[1].detach() if stress else None
-        return energy.detach(), -grads[0].detach(), virial
+        energy, grads = eager_step(self.model, x, numbers, graph, stress)
+        return energy, -grads[0].detach(), grads[1].detach() if stress else None
