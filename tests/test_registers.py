@@ -6,9 +6,15 @@ import pytest
 
 
 def _offline_sm90(*flags):
-    """``python -m ecekern.tools.registers FLAGS`` as parsed JSON, in a process
-    without the interpreter (which would replace the kernels by Python functions);
-    skips where Triton's NVIDIA tools are missing."""
+    """``python -m ecekern.tools.registers FLAGS`` as parsed JSON (see
+    :func:`_offline_sm90_module`)."""
+    return _offline_sm90_module("ecekern.tools.registers", *flags)
+
+
+def _offline_sm90_module(module, *flags):
+    """``python -m MODULE FLAGS`` as parsed JSON, in a process without the
+    interpreter (which would replace the kernels by Python functions); skips where
+    Triton's NVIDIA tools are missing."""
     import os
     import subprocess
     import sys
@@ -24,7 +30,7 @@ def _offline_sm90(*flags):
         pytest.skip(f"offline builds are checked on Triton {GLUON_VALIDATED} only")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run(
-        [sys.executable, "-m", "ecekern.tools.registers", *flags],
+        [sys.executable, "-m", module, *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -114,13 +120,17 @@ def test_linear_tc_builds_fit_the_h200_and_bf16_does_not_spill():
     assert by[("bf16", 192)]["consumers"] == 2 and by[("bf16", 256)]["consumers"] == 1
 
 
-def test_the_radial_kernels_fit_sm90_at_the_books_widths():
-    """Chapter 7's radial kernels at n_rbf = 8, H = 64, O = 448 in every dtype and
+def test_chapter_7s_kernels_build_for_sm90():
+    """The radial kernels at n_rbf = 8, H = 64, O = 448 in every dtype and
     precision: shared memory within sm_90's 227 KB per program (Triton's default
     three pipeline stages needed 256 KB for the 3xTF32 backward, which then failed
-    to launch). The launch is untuned: the backward spills (0.4-1.2 KB a thread)."""
-    rows = _offline_sm90("--radial")
-    assert len(rows) == 8
-    for r in rows:
+    to launch); the launch is untuned, and the backward spills 0.4-1.2 KB a
+    thread. The geometry kernels for every (L, M): no spills."""
+    rows = _offline_sm90_module("ecekern.tools.step_kernels")
+    assert len(rows["radial"]) == 8
+    for r in rows["radial"]:
         assert r["shared_bytes"] <= 227 * 1024, r
         assert 0 < r["registers"] <= 255, r
+    assert len(rows["geometry"]) == 20
+    for r in rows["geometry"]:
+        assert r["stack_bytes"] == 0 and 0 < r["registers"] <= 255, r
