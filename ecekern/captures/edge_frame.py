@@ -5,11 +5,11 @@ L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
 * ``launch`` -> launch_sweep.csv: ``EdgeFrameLaunch`` variants (edges per loop step
   and warps) of the four packed kernels at 365k edges, fp32, each timed by CUDA-graph
-  replay and checked against float64; the same launches at 46k edges;
+  replay and checked against float64;
 * ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
   the aggregation) forward and backward, reference / table / packed, its GPU time,
   the bytes model and the floor, and the packing's own cost;
-* ``steps`` -> steps.csv, stages.csv, profile_*: the force step at 512 and 4096 atoms
+* ``steps`` -> steps.csv, stages.csv: the force step at 512 and 4096 atoms
   with chapters 2 and 5 on, the edge frame by the reference, the table kernels and
   the packed kernels: time, peak memory, and the forward and backward time by stage
   (the profiler) at 4096 atoms;
@@ -34,7 +34,6 @@ from .common import (
     launch_sweep,
     ncu_part,
     option_steps,
-    profile_table,
     rel_err_gpu,
 )
 
@@ -147,52 +146,45 @@ def _first(out):
 # launch sweep
 # --------------------------------------------------------------------------------------
 def _launch(run, arg: str) -> dict:
-    """launch_sweep.csv; returns the fastest launch per kernel at the largest box."""
+    """launch_sweep.csv at the largest box; returns the fastest launch per kernel."""
     from .. import edge_frame as ef
 
-    out, reps, dev = run.out, run.reps(), run.dev
-    rows_best = {}
-    blocks, warps = ((2, 4, 8, 16), (4, 8)) if dev == "cuda" else ((4,), (1,))
-    for rep in reversed(reps):
-        t = step_tensors(rep)
-        t64 = _double(t)
-        truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
-        model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
-        bw = ceilings()["copy_GBps"]
-        problem = f"E={t['E']}, L={t['L']}, M={t['M']}, C={t['C']}"
-        cases = []
-        for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
-            floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
-            for be, w in itertools.product(blocks, warps):
-                f = kernel.replace("_fwd", "")
-                launch = dataclasses.replace(
-                    ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
-                )
-                cases.append(LaunchCase(
-                    f"{kernel} {t['E']}", launch, kernel, problem, t["E"],
-                    {"block_e": be, "warps": w}, nbytes=model[f"floor_{kernel}"],
-                    columns={"floor_ms": floor},
-                ))  # fmt: skip
-        frames = {}
+    t = step_tensors(run.reps()[-1])
+    t64 = _double(t)
+    truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
+    model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
+    bw = ceilings()["copy_GBps"]
+    problem = f"E={t['E']}, L={t['L']}, M={t['M']}, C={t['C']}"
+    blocks, warps = ((2, 4, 8, 16), (4, 8)) if run.dev == "cuda" else ((4,), (1,))
+    cases = []
+    for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
+        floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
+        for be, w in itertools.product(blocks, warps):
+            f = kernel.replace("_fwd", "")
+            launch = dataclasses.replace(
+                ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
+            )
+            cases.append(LaunchCase(
+                f"{kernel} {t['E']}", launch, kernel, problem, t["E"],
+                {"block_e": be, "warps": w}, nbytes=model[f"floor_{kernel}"],
+                columns={"floor_ms": floor},
+            ))  # fmt: skip
+    frames = {}
 
-        def run_case(case):
-            fr = frames.get(case.launch)
-            if fr is None:
-                fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
-            return _first(fr[case.kernel]())
+    def run_case(case):
+        fr = frames.get(case.launch)
+        if fr is None:
+            fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
+        return _first(fr[case.kernel]())
 
-        def check(case, got):
-            return rel_err_gpu(got, truth[case.kernel])
+    def check(case, got):
+        return rel_err_gpu(got, truth[case.kernel])
 
-        name = "launch_sweep.csv" if rep == reps[-1] else f"launch_sweep_{rep}.csv"
-        best = launch_sweep(cases, run_case, check, out / name)
-        if rep == reps[-1]:
-            rows_best = {
-                k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()
-            }
-        t = t64 = truth = frames = None
-        free()
-    return {"launch": rows_best}
+    best = launch_sweep(cases, run_case, check, run.out / "launch_sweep.csv")
+    free()
+    return {
+        "launch": {k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()}
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -290,8 +282,7 @@ STEP_OPTIONS = {
 
 def _steps(run, arg: str) -> str:
     """steps.csv (step schema) and stages.csv (chapters 2 and 5 on; the edge frame
-    switched): time, peak memory, and at the largest box the time by stage and a
-    profile."""
+    switched): time, peak memory, and at the largest box the time by stage."""
     from ecekern.model import force_step
 
     from .progress import _stages
@@ -305,7 +296,6 @@ def _steps(run, arg: str) -> str:
         for r in _stages(variant, step, row["n_atoms"], "cuda"):
             stage_rows.append({"edge_frame": variant, **r})
         bench.write_csv(stage_rows, run.out / "stages.csv")
-        profile_table(step, run.out, f"profile_force_{row['n_atoms']}_{variant}")
 
     cases = [(variant, opts, {}) for variant, opts in STEP_OPTIONS.items()]
     return option_steps(run, cases, "steps", each=stages)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import csv
 import itertools
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +40,7 @@ from .common import (
     rel_err_gpu,
 )
 
-__all__ = ["PARTS", "PATHS_MEASURED", "launch_cases", "sweep_cell"]
+__all__ = ["PARTS", "PATHS_MEASURED", "kernel_fn", "launch_cases", "sweep_cell"]
 
 PATHS_MEASURED = ("einsum", "dense", "triton")
 #: The precisions of the sweeps: (dtype, TF32, the GEMM ceiling's key)
@@ -56,19 +56,6 @@ def notes(run) -> dict:
     from ..linear import plan
 
     return {"library_launch": {k: repr(v) for k, v in plan.LAUNCH.items()}}
-
-
-def _launch_part(run, arg: str) -> dict:
-    chosen = _launch(run.out, run.quick, run.dev)
-    return {
-        "launch": {
-            k: f"{c.kernel} {c.keys['variant']}: {c.launch!r}"
-            for k, c in chosen.items()
-        },
-        "launch_json": {
-            k: launch_to_json(c.kernel, c.launch) for k, c in chosen.items()
-        },
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -99,8 +86,8 @@ TRITON_KINDS = [("strided", {}, TILES[:3], (1, 2))] + [
 def launch_cases(
     data: dict, E: int, F: int, n_ang: int, quick: bool, dev: str
 ) -> list[LaunchCase]:
-    """Every launch of the sweep: ``data`` maps a dtype to ``(x, w, w with O
-    contiguous, bias)`` (the Gluon kernels' conditions are read off them)."""
+    """Every launch of the sweep: ``data`` maps a dtype to ``(x, w, bias)`` (the
+    Gluon kernels' conditions are read off them)."""
     from ..linear import gluon_fma, gluon_tc, triton_modes
 
     nbytes = _bytes(E, F, n_ang, data)
@@ -128,7 +115,7 @@ def launch_cases(
         ]
         if dev != "cuda":  # the interpreter runs every tile at 16 x 16 x 16: a few
             mine = mine[:3]
-        x, w, _, _ = data[dtype]
+        x, w, _ = data[dtype]
         # strict fp32: the Gluon kernel on the FMA units, each register tile
         if gluon_fma.fma_reason(x, w, tf32) is None:
             g = gluon_fma
@@ -163,22 +150,27 @@ def _bytes(E, F, n_ang, data) -> dict:
     }
 
 
-def run_launch(case: LaunchCase, data: dict) -> torch.Tensor:
-    """One of cos and sin through the case's kernel at its launch."""
+def kernel_fn(kernel: str, launch, tf32: bool, w: torch.Tensor):
+    """``fn(x, b) -> y``: one of cos and sin through ``kernel`` (``triton``, ``fma``
+    or ``tc``) at ``launch`` against ``w``, with what the kernel reads (for ``fma``,
+    W with O contiguous) prepared here, once, outside any timing."""
     from ..linear import gluon_fma, gluon_tc, triton_modes
 
-    x, w, w_o, b = data[case.dtype]
-    if case.kernel == "fma":
-        return gluon_fma.fma_fwd(x, w_o, b, case.launch)
-    if case.kernel == "tc":
-        return gluon_tc.tc_fwd(x, w, b, case.launch)
-    return triton_modes.triton_fwd(x, w, b, case.launch, case.tf32)
+    if kernel == "fma":
+        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)
+        return lambda x, b: gluon_fma.fma_fwd(x, w_o, b, launch)
+    if kernel == "tc":
+        return lambda x, b: gluon_tc.tc_fwd(x, w, b, launch)
+    return lambda x, b: triton_modes.triton_fwd(x, w, b, launch, tf32)
 
 
-def _launch(out: Path, quick: bool, dev: str) -> dict[str, LaunchCase]:
-    """The launch sweep: each case timed and checked against float64."""
+def _launch(run, arg: str) -> dict:
+    """launch_sweep.csv: each case timed and checked against float64; the notes
+    name the fastest correct launch per precision (``launch_json``: for the
+    ``ncu`` part's programs)."""
     from .. import reference
 
+    quick, dev = run.quick, run.dev
     E, F, n = (4096, 192, 3) if quick else (47_000, 192, 3)
     if dev != "cuda":
         E, F = 64, 32
@@ -187,20 +179,26 @@ def _launch(out: Path, quick: bool, dev: str) -> dict[str, LaunchCase]:
     w64 = torch.randn(n, F, F, device=dev, dtype=torch.float64, generator=g) / F**0.5
     b64 = torch.randn(F, device=dev, dtype=torch.float64, generator=g)
     truth = reference.equivariant_linear(x64, x64, w64, b64)[0]
-    data = {}
-    for dt in (torch.float32, torch.bfloat16):
-        w = w64.to(dt)
-        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)  # O contiguous
-        data[dt] = (x64.to(dt), w, w_o, b64.to(dt))
+    data = {dt: (x64.to(dt), w64.to(dt), b64.to(dt))
+            for dt in (torch.float32, torch.bfloat16)}  # fmt: skip
+    fns: dict[int, Any] = {}  # each case's kernel, its operands prepared once
+
+    def run_case(case):
+        x, w, b = data[case.dtype]
+        if id(case) not in fns:
+            fns[id(case)] = kernel_fn(case.kernel, case.launch, case.tf32, w)
+        return fns[id(case)](x, b)
+
     cases = launch_cases(data, E, F, n, quick, dev)
-    chosen = launch_sweep(
-        cases,
-        run=lambda case: run_launch(case, data),
-        check=lambda case, y: rel_err_gpu(y, truth),
-        out_csv=out / "launch_sweep.csv",
-    )
+    out = run.out / "launch_sweep.csv"
+    chosen = launch_sweep(cases, run_case, lambda c, y: rel_err_gpu(y, truth), out)
     free()
-    return chosen
+    return {
+        "launch": {k: f"{c.kernel} {c.keys['variant']}: {c.launch!r}"
+                   for k, c in chosen.items()},
+        "launch_json": {k: launch_to_json(c.kernel, c.launch)
+                        for k, c in chosen.items()},
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -356,5 +354,5 @@ _ncu = ncu_part(
         "ECEKERN_CAPTURE_LINEAR", run.info.get("launch_json", {})
     ),
 )
-PARTS = {"launch": _launch_part, "steps": _model_steps, "ncu": _ncu, "sweep": _sweep}
+PARTS = {"launch": _launch, "steps": _model_steps, "ncu": _ncu, "sweep": _sweep}
 GPU_ONLY = ("steps", "ncu")

@@ -44,33 +44,18 @@ def gemm():
     _in_range(lambda: a @ b)
 
 
-def _step(repeats: int):
-    """The book's model and the prepared inputs of ``diamond(repeats)``, fp32."""
+def force_step(repeats: int = 4):
+    """The reference's force step on ``diamond(repeats)``, strict fp32 (chapter 1)."""
     import ecekern
+    from ecekern import options
     from ecekern.model import force_step as step
     from ecekern.model import prepare_inputs
 
     model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
     atoms = ecekern.systems.diamond(repeats)
     inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
-    return lambda: step(model, *inputs)
-
-
-def force_step(repeats: int = 4):
-    """The reference's force step, strict fp32 (chapter 1)."""
-    from ecekern import options
-
-    step = _step(repeats)
     with options.use(reference=True):
-        _in_range(step)
-
-
-def default_step(repeats: int = 8):
-    """The library's default force step on the 4096-atom diamond, fp32 (every
-    chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step. Its
-    backward runs on autograd's own thread, outside the NVTX range: select the
-    step's kernels with ``--launch-skip`` and ``--launch-count`` instead."""
-    _in_range(_step(repeats))
+        _in_range(lambda: step(model, *inputs))
 
 
 def edge_frame(rep: int = 8):
@@ -104,19 +89,6 @@ def _eqlin_inputs(E: int, F: int, n_ang: int):
     bench.set_tf32(False)
 
 
-def _eqlin_kernel(kernel: str, launch, tf32: bool, w):
-    """``fn(x, b) -> y`` of one kernel at one launch against ``w``, with what the
-    kernel reads prepared here, outside the profiled range."""
-    from ecekern.linear import gluon_fma, gluon_tc, triton_modes
-
-    if kernel == "fma":  # the kernel reads W with O contiguous
-        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)
-        return lambda x, b: gluon_fma.fma_fwd(x, w_o, b, launch)
-    if kernel == "tc":
-        return lambda x, b: gluon_tc.tc_fwd(x, w, b, launch)
-    return lambda x, b: triton_modes.triton_fwd(x, w, b, launch, tf32)
-
-
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The forward (cos, then sin) in strict fp32, TF32 and bf16, each at the
     capture's chosen kernel and launch (``ECEKERN_CAPTURE_LINEAR``, by dtype label)
@@ -124,12 +96,13 @@ def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced): the
     last two kernels."""
     from ecekern.captures.common import launch_from_json
+    from ecekern.captures.linear import kernel_fn
     from ecekern.linear import autograd, plan, triton_modes
 
     chosen = _launches("ECEKERN_CAPTURE_LINEAR", {})
     for label, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
         if label in chosen:
-            fn = _eqlin_kernel(*launch_from_json(chosen[label]), tf32, w)
+            fn = kernel_fn(*launch_from_json(chosen[label]), tf32, w)
         else:
             fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
         _in_range(lambda x=x, b=b, fn=fn: (fn(x[0], b), fn(x[1], None)))
@@ -161,15 +134,11 @@ def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
     differ), or at the library's launch."""
     from ecekern import zonal
     from ecekern.captures.common import launch_from_json, launch_to_json
-    from ecekern.graph import csr_row_ptr
+    from ecekern.captures.zonal import random_scatter
 
     default = [launch_to_json("zonal", zonal.ZonalLaunch())]
-    N = E // 89
-    dst = torch.sort(torch.randint(0, N, (E,), device="cuda")).values
-    row_ptr = csr_row_ptr(dst, N)
-    Z = torch.randn(E, (L + 1) ** 2 - 1, device="cuda")
-    R = torch.randn(E, L, C, device="cuda")
-    G = torch.randn(N, (L + 1) ** 2, C, device="cuda")
+    _, dst, row_ptr, *zrg = random_scatter(E, L, C, "cuda", 0)
+    Z, R, G = (t.float() for t in zrg)
     for d in _launches("ECEKERN_CAPTURE_ZONAL", default):
         _, ln = launch_from_json(d)
         _in_range(
@@ -257,7 +226,7 @@ def cohorts_stack_recompute(E: int = 65_536):
 TARGETS = {
     f.__name__: f
     for f in (cohorts_layers, cohorts_stack, cohorts_stack_recompute, copy, gemm,
-              force_step, default_step, eqlin_triton, eqlin_dense, zonal_fused,
+              force_step, eqlin_triton, eqlin_dense, zonal_fused,
               edge_frame)
 }  # fmt: skip
 

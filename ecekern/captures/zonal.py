@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import torch
 
@@ -40,7 +39,7 @@ from .common import (
     timing_columns,
 )
 
-__all__ = ["PARTS", "launch_label"]
+__all__ = ["PARTS", "launch_label", "random_scatter"]
 
 
 def launch_label(launch) -> str:
@@ -56,19 +55,6 @@ def notes(run) -> dict:
     from .. import zonal
 
     return {"config": launch_label(zonal.ZonalLaunch())}
-
-
-def _launch_part(run, arg: str) -> dict:
-    from .. import zonal
-
-    chosen = _launch(run.out, run.quick, run.dev)
-    note = {
-        "launch": launch_label(chosen),
-        "launch_json": launch_to_json("zonal", chosen),
-    }
-    if chosen != zonal.ZonalLaunch():
-        note["launch_note"] = "the sweep's fastest differs from the library's"
-    return note
 
 
 # --------------------------------------------------------------------------------------
@@ -104,23 +90,32 @@ def launch_cases(L, C, E, nbytes, floor, quick) -> list[LaunchCase]:
     return cases
 
 
-def _launch(out: Path, quick: bool, dev: str):
-    """The launch sweep; returns the library's launch with the fastest forward's and
-    the fastest gather's fields."""
-    from .. import reference, zonal
+def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
+    """A random scatter of ``E`` edges onto ``N = E // 89`` atoms (the diamond's
+    in-degree), float64: ``(N, dst, row_ptr, Z, R, G)``, ``dst`` sorted with its CSR
+    ``row_ptr``, ``Z`` ``(E, S - 1)`` and ``R`` ``(E, L, C)`` the edges' inputs and
+    ``G`` ``(N, S, C)`` an output's gradient (S = (L + 1)^2)."""
     from ..graph import csr_row_ptr
 
+    N, S = max(1, E // 89), (L + 1) ** 2
+    g = torch.Generator(device=dev).manual_seed(seed)
+    dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
+    rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.float64,
+                                     generator=g)  # fmt: skip
+    return N, dst, csr_row_ptr(dst, N), rnd(E, S - 1), rnd(E, L, C), rnd(N, S, C)
+
+
+def _launch(run, arg: str) -> dict:
+    """launch_sweep.csv; the notes name the library's launch with the fastest
+    forward's and the fastest gather's fields (``launch_json``: for the ``ncu``
+    part's program)."""
+    from .. import reference, zonal
+
+    quick, dev = run.quick, run.dev
     E, L, C = (20_000, 3, 32) if quick else (365_000, 3, 32)
     if dev != "cuda":
         E, L, C = 300, 2, 8
-    N = max(1, E // 89)
-    S = (L + 1) ** 2
-    g = torch.Generator(device=dev).manual_seed(7)
-    dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
-    row_ptr = csr_row_ptr(dst, N)
-    Z64 = torch.randn(E, S - 1, device=dev, dtype=torch.float64, generator=g)
-    R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
-    G64 = torch.randn(N, S, C, device=dev, dtype=torch.float64, generator=g)
+    N, dst, row_ptr, Z64, R64, G64 = random_scatter(E, L, C, dev, 7)
     Zr, Rr = Z64.clone().requires_grad_(), R64.clone().requires_grad_()
     h64 = reference.zonal_scatter(Zr, Rr, dst, row_ptr, 0.1)
     dz64, dr64 = torch.autograd.grad(h64, (Zr, Rr), G64)
@@ -131,7 +126,7 @@ def _launch(out: Path, quick: bool, dev: str):
     if dev != "cuda":  # the interpreter runs every launch at BLOCK_E = 16: a few
         cases = cases[:2] + [c for c in cases if c.group == "backward"][:2]
 
-    def run(case):
+    def run_case(case):
         if case.group == "forward":
             return zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=case.launch)
         return zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=case.launch)
@@ -141,7 +136,7 @@ def _launch(out: Path, quick: bool, dev: str):
             return rel_err_gpu(got, h64)
         return max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
 
-    best = launch_sweep(cases, run, check, out / "launch_sweep.csv")
+    best = launch_sweep(cases, run_case, check, run.out / "launch_sweep.csv")
     chosen = zonal.ZonalLaunch()
     fields = {"forward": ("fwd_tile", "fwd_warps", "fwd_stages"),
               "backward": ("bwd_tile", "bwd_warps")}  # fmt: skip
@@ -150,7 +145,13 @@ def _launch(out: Path, quick: bool, dev: str):
             won = {k: getattr(best[group].launch, k) for k in names}
             chosen = dataclasses.replace(chosen, **won)
     free()
-    return chosen
+    note = {
+        "launch": launch_label(chosen),
+        "launch_json": launch_to_json("zonal", chosen),
+    }
+    if chosen != zonal.ZonalLaunch():
+        note["launch_note"] = "the sweep's fastest differs from the library's"
+    return note
 
 
 # --------------------------------------------------------------------------------------
@@ -170,7 +171,6 @@ def _cases(quick: bool, dev: str) -> list[tuple[int, int, int]]:
 def _sweep(run, arg: str) -> str:
     """Rows of scatter_sweep.csv."""
     from .. import reference, zonal
-    from ..graph import csr_row_ptr
 
     out, quick, dev = run.out, run.quick, run.dev
     ceil = ceilings()
@@ -178,14 +178,7 @@ def _sweep(run, arg: str) -> str:
     rows: list[dict] = []
     ops = {"reference": reference.zonal_scatter, "fused": zonal._scatter_op}
     for E, L, C in _cases(quick, dev):
-        N = max(1, E // 89)
-        g = torch.Generator(device=dev).manual_seed(E + L + C)
-        dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
-        row_ptr = csr_row_ptr(dst, N)
-        Z64 = torch.randn(
-            E, (L + 1) ** 2 - 1, device=dev, dtype=torch.float64, generator=g
-        )
-        R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
+        N, dst, row_ptr, Z64, R64, _ = random_scatter(E, L, C, dev, E + L + C)
         truth = reference.zonal_scatter(Z64, R64, dst, row_ptr, 0.1)
         Z, R = Z64.float().requires_grad_(), R64.float().requires_grad_()
         model = zonal.traffic(E, N, L, C, 4)
@@ -318,5 +311,5 @@ def _ncu_env(run) -> dict:
 
 
 _ncu = ncu_part({"fused": ("zonal_fused", None)}, env=_ncu_env)
-PARTS = {"launch": _launch_part, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
+PARTS = {"launch": _launch, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")
