@@ -5,17 +5,13 @@ kernel's launch choices (:func:`launch_sweep`).
 
 Nothing here changes the library's state: a launch under test is a dataclass passed to
 the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
-``ZonalLaunch``); an Nsight Compute program gets what it needs through the environment
-of its own process (:func:`run_ncu`'s ``env``), never through this one's.
+``ZonalLaunch``); Nsight Compute profiles the library's own launches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
-import json
-import os
 import subprocess
 import sys
 import time
@@ -36,9 +32,7 @@ __all__ = [
     "for_boxes",
     "force_row",
     "free",
-    "launch_from_json",
     "launch_sweep",
-    "launch_to_json",
     "ncu_part",
     "option_steps",
     "profile_table",
@@ -70,21 +64,15 @@ def run_ncu(
     out_csv: Path,
     extra: list[str] | None = None,
     timeout: float = 420,
-    env: dict[str, str] | None = None,
 ) -> str:
-    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status.
-
-    ``env``: variables for the profiled process only (the launches a target is to
-    run, as :func:`launch_to_json` writes them); this process's environment is not
-    changed."""
+    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
     status, basic = "ncu not run", NCU_METRICS_BASIC
     for metrics in (basic + NCU_STALLS + NCU_COUNTERS, basic + NCU_STALLS, basic):
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ece/",
                "--metrics", ",".join(metrics), "--csv", "--page", "raw", *(extra or []),
                sys.executable, "-m", "ecekern.captures.targets", target]  # fmt: skip
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                               env={**os.environ, **(env or {})})  # fmt: skip
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except Exception as exc:  # ncu missing or too slow
             status = f"ncu failed: {exc!r}"
             continue
@@ -277,22 +265,20 @@ def option_steps(run, cases, name, cfg=None, reps=None, modes=("eager",), each=N
     return "done"
 
 
-def ncu_part(runs: dict, env=None, timeout: float = 420):
+def ncu_part(runs: dict, timeout: float = 420):
     """A part that runs Nsight Compute: ``runs`` maps a name to ``(target,
     ncu arguments)``; each writes ``ncu_<name>.csv`` (its status: the note
-    ``ncu_<name>``). The part's argument picks some names (``ncu=stack``);
-    ``env(run)``: the profiled programs' environment (:func:`run_ncu`)."""
+    ``ncu_<name>``). The part's argument picks some names (``ncu=stack``)."""
 
     def part(run, arg: str) -> dict:
         names = arg.split(";") if arg else list(runs)
         unknown = [n for n in names if n not in runs]
         if unknown:
             raise ValueError(f"ncu={arg!r}: choose from {', '.join(runs)}")
-        e = env(run) if env else None
         return {
             f"ncu_{n}": run_ncu(
-                runs[n][0], run.out / f"ncu_{n}.csv", runs[n][1], timeout, e
-            )  # fmt: skip
+                runs[n][0], run.out / f"ncu_{n}.csv", runs[n][1], timeout
+            )
             for n in names
         }
 
@@ -339,7 +325,7 @@ def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# launches: one sweep for every kernel, and their hand-over to Nsight Compute
+# launches: one sweep for every kernel
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchCase:
@@ -410,31 +396,3 @@ def launch_sweep(
     finally:
         bench.set_tf32(False)
     return {g: c for g, (_, c) in best.items()}
-
-
-def launch_to_json(kernel: str, launch) -> dict:
-    """A launch dataclass as plain JSON: ``{"kernel": kernel, **its fields}``."""
-    return {"kernel": kernel, **dataclasses.asdict(launch)}
-
-
-def launch_from_json(d: dict) -> tuple[str, Any]:
-    """``(kernel, launch)`` back from :func:`launch_to_json`'s dict: ``triton``
-    (``TritonLaunch``), ``fma`` (``FmaLaunch``), ``tc`` (``gluon_tc.Launch``) or
-    ``zonal`` (``ZonalLaunch``)."""
-    from .. import zonal
-    from ..linear import gluon_fma, gluon_tc, triton_modes
-
-    kinds = {
-        "triton": triton_modes.TritonLaunch,
-        "fma": gluon_fma.FmaLaunch,
-        "tc": gluon_tc.Launch,
-        "zonal": zonal.ZonalLaunch,
-    }
-    d = dict(d)
-    kernel = d.pop("kernel")
-    return kernel, kinds[kernel](**d)
-
-
-def launches_env(name: str, launches) -> dict[str, str]:
-    """``{name: JSON}`` of launches for an Nsight Compute program's environment."""
-    return {name: json.dumps(launches)}

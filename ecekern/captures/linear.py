@@ -10,7 +10,8 @@ Parts (``parts``, comma-separated):
 * ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and profile_step_*: the
   force step with each path, the zonal scatter on the reference;
 * ``ncu`` -> ncu_triton.csv, ncu_dense.csv: the forward of each precision at the
-  launch sweep's fastest launch (the library's choice without ``launch``);
+  library's choice of kernel and launch, then the Triton kernel in strict fp32
+  (:func:`ecekern.captures.targets.eqlin_triton`), and the dense path's;
 * ``sweep`` (or ``sweep=E:n_ang;E:n_ang:tf32/bf16``, see :func:`sweep_cell`) ->
   linear_sweep.csv: forward and forward + backward times against the floor, and the
   error against float64. The ``triton`` path is called past ``auto``'s choice
@@ -32,8 +33,6 @@ from .common import (
     ceilings,
     free,
     launch_sweep,
-    launch_to_json,
-    launches_env,
     ncu_part,
     option_steps,
     profile_table,
@@ -166,8 +165,7 @@ def kernel_fn(kernel: str, launch, tf32: bool, w: torch.Tensor):
 
 def _launch(run, arg: str) -> dict:
     """launch_sweep.csv: each case timed and checked against float64; the notes
-    name the fastest correct launch per precision (``launch_json``: for the
-    ``ncu`` part's programs)."""
+    name the fastest correct launch per precision."""
     from .. import reference
 
     quick, dev = run.quick, run.dev
@@ -193,12 +191,8 @@ def _launch(run, arg: str) -> dict:
     out = run.out / "launch_sweep.csv"
     chosen = launch_sweep(cases, run_case, lambda c, y: rel_err_gpu(y, truth), out)
     free()
-    return {
-        "launch": {k: f"{c.kernel} {c.keys['variant']}: {c.launch!r}"
-                   for k, c in chosen.items()},
-        "launch_json": {k: launch_to_json(c.kernel, c.launch)
-                        for k, c in chosen.items()},
-    }  # fmt: skip
+    return {"launch": {k: f"{c.kernel} {c.keys['variant']}: {c.launch!r}"
+                       for k, c in chosen.items()}}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -348,11 +342,6 @@ def _sweep(run, spec: str) -> str:
     return "done"
 
 
-_ncu = ncu_part(
-    {"triton": ("eqlin_triton", None), "dense": ("eqlin_dense", None)},
-    env=lambda run: launches_env(
-        "ECEKERN_CAPTURE_LINEAR", run.info.get("launch_json", {})
-    ),
-)
+_ncu = ncu_part({"triton": ("eqlin_triton", None), "dense": ("eqlin_dense", None)})
 PARTS = {"launch": _launch, "steps": _model_steps, "ncu": _ncu, "sweep": _sweep}
 GPU_ONLY = ("steps", "ncu")

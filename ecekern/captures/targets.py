@@ -1,17 +1,12 @@
 """Programs for Nsight Compute: ``python -m ecekern.captures.targets NAME``.
 
 Each runs its work a few times to warm up, then once more inside the NVTX range
-``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects. The launches a
-capture chose reach a target through this process's environment only
-(``ECEKERN_CAPTURE_LINEAR``, ``ECEKERN_CAPTURE_ZONAL``: JSON of
-:func:`ecekern.captures.common.launch_to_json`); without them each target runs the
-library's own choice.
+``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects, at the
+library's own launches.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
@@ -25,10 +20,6 @@ def _in_range(fn, warmup: int = 2):
     fn()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
-
-
-def _launches(name: str, default):
-    return json.loads(os.environ.get(name) or "null") or default
 
 
 def copy():
@@ -91,20 +82,13 @@ def _eqlin_inputs(E: int, F: int, n_ang: int):
 
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The forward (cos, then sin) in strict fp32, TF32 and bf16, each at the
-    capture's chosen kernel and launch (``ECEKERN_CAPTURE_LINEAR``, by dtype label)
-    or the library's choice, then strict fp32 with the Triton kernel at
-    ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced): the
-    last two kernels."""
-    from ecekern.captures.common import launch_from_json
-    from ecekern.captures.linear import kernel_fn
+    library's choice of kernel and launch, then strict fp32 with the Triton kernel
+    at ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced):
+    the last two kernels."""
     from ecekern.linear import autograd, plan, triton_modes
 
-    chosen = _launches("ECEKERN_CAPTURE_LINEAR", {})
-    for label, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
-        if label in chosen:
-            fn = kernel_fn(*launch_from_json(chosen[label]), tf32, w)
-        else:
-            fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
+    for _, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
+        fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
         _in_range(lambda x=x, b=b, fn=fn: (fn(x[0], b), fn(x[1], None)))
     x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
     w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
@@ -129,25 +113,14 @@ def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
-    """The gather (backward), then the forward, at each launch of
-    ``ECEKERN_CAPTURE_ZONAL`` (the capture's fastest, then the library's where they
-    differ), or at the library's launch."""
+    """The gather (backward), then the forward, at the library's launch."""
     from ecekern import zonal
-    from ecekern.captures.common import launch_from_json, launch_to_json
     from ecekern.captures.zonal import random_scatter
 
-    default = [launch_to_json("zonal", zonal.ZonalLaunch())]
     _, dst, row_ptr, *zrg = random_scatter(E, L, C, "cuda", 0)
     Z, R, G = (t.float() for t in zrg)
-    for d in _launches("ECEKERN_CAPTURE_ZONAL", default):
-        _, ln = launch_from_json(d)
-        _in_range(
-            lambda ln=ln: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=ln)
-        )
-        _in_range(
-            lambda ln=ln: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=ln),
-            warmup=1,
-        )
+    _in_range(lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1))
+    _in_range(lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1), warmup=1)
 
 
 def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):

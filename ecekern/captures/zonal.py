@@ -12,8 +12,7 @@ Parts (``parts``, comma-separated):
 * ``steps`` -> model_steps.csv and profile_*: the force and training steps with the
   reference and the fused scatter (the linear on the einsum: only the scatter
   changes);
-* ``ncu`` -> ncu_fused.csv: the gather and the forward at the sweep's fastest launch
-  (the library's without ``launch``), then at the library's if it differs.
+* ``ncu`` -> ncu_fused.csv: the gather and the forward at the library's launch.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from .common import (
     ceilings,
     free,
     launch_sweep,
-    launch_to_json,
-    launches_env,
     ncu_part,
     option_steps,
     profile_table,
@@ -107,8 +104,7 @@ def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
 
 def _launch(run, arg: str) -> dict:
     """launch_sweep.csv; the notes name the library's launch with the fastest
-    forward's and the fastest gather's fields (``launch_json``: for the ``ncu``
-    part's program)."""
+    forward's and the fastest gather's fields."""
     from .. import reference, zonal
 
     quick, dev = run.quick, run.dev
@@ -145,10 +141,7 @@ def _launch(run, arg: str) -> dict:
             won = {k: getattr(best[group].launch, k) for k in names}
             chosen = dataclasses.replace(chosen, **won)
     free()
-    note = {
-        "launch": launch_label(chosen),
-        "launch_json": launch_to_json("zonal", chosen),
-    }
+    note = {"launch": launch_label(chosen)}
     if chosen != zonal.ZonalLaunch():
         note["launch_note"] = "the sweep's fastest differs from the library's"
     return note
@@ -298,18 +291,6 @@ def _model_steps(run, arg: str) -> str:
     return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
-def _ncu_env(run) -> dict:
-    """The sweep's fastest launch (the library's without ``launch``), then the
-    library's if it differs, for the ``zonal_fused`` target."""
-    from .. import zonal
-
-    library = launch_to_json("zonal", zonal.ZonalLaunch())
-    launches = [run.info.get("launch_json", library)]
-    if launches[0] != library:
-        launches.append(library)
-    return launches_env("ECEKERN_CAPTURE_ZONAL", launches)
-
-
-_ncu = ncu_part({"fused": ("zonal_fused", None)}, env=_ncu_env)
+_ncu = ncu_part({"fused": ("zonal_fused", None)})
 PARTS = {"launch": _launch, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")
