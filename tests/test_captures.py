@@ -615,3 +615,18 @@ def test_option_steps_time_each_case_in_each_mode(tmp_path, quick_timing):
     assert [r["kind"] for r in rows] == ["x", "y"] * 2 and rows[3]["hook"] == "4"
     assert seen[0] == (1, "a", True, {"kind": "x"}) and seen[1][2] is False
     assert not __import__("torch").backends.cuda.matmul.allow_tf32
+    for r in rows:  # a replay's graph: its headroom, edge slots and capture time
+        replay = r["mode"] == "replay"
+        assert (r["capacity"] != "") == replay and (r["capture_s"] != "") == replay
+        assert not replay or int(r["capacity"]) >= int(r["n_edges"])
+    # a replay's arguments and the columns measured on its step after the timing
+    from ecekern.model import prepare_inputs
+
+    atoms, f32 = ecekern.systems.diamond(1), __import__("torch").float32
+    inputs = prepare_inputs(atoms, cfg.cutoff, f32, "cpu")
+    model = ecekern.ECEModel(cfg)
+    row = common.force_row("c", model, inputs, mode="replay",
+                           graph_kw={"headroom": 1.5},
+                           more=lambda fn: {"calls": fn() is not None})  # fmt: skip
+    assert row["headroom"] == 1.5 and row["calls"] is True
+    assert row["capacity"] >= 1.5 * row["n_edges"]

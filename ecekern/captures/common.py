@@ -168,16 +168,23 @@ def force_row(
     rep_ms: float = 400.0,
     forward: bool = False,
     step=None,
+    graph_kw: dict | None = None,
+    min_reps: int = 5,
+    more=None,
     **extra,
 ) -> dict:
     """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
     prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
-    numbers, graph)``): its time (median, p10, p90) and peak memory, at the inputs'
-    precision (TF32 as it is switched now). ``mode="replay"``: the step as a
-    :class:`~ecekern.graph_step.GraphStep` (chapter 4), its peak memory that of the
-    capture (the graph's memory pool holds the step's intermediates). ``forward``:
-    the forward alone too (no grad; ``forward_ms``, ``forward_p10_ms``,
-    ``forward_p90_ms``) and the backward as the difference (``backward_ms``)."""
+    numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)
+    and peak memory, at the inputs' precision (TF32 as it is switched now).
+    ``mode="replay"``: the step as a :class:`~ecekern.graph_step.GraphStep`
+    (chapter 4; ``graph_kw``: its arguments, say ``headroom``), its peak memory that
+    of the capture (the graph's memory pool holds the step's intermediates), with
+    its ``headroom``, ``capacity`` (edge slots) and ``capture_s`` (seconds to build
+    and capture it). ``forward``: the forward alone too (no grad; ``forward_ms``,
+    ``forward_p10_ms``, ``forward_p90_ms``) and the backward as the difference
+    (``backward_ms``). ``more(fn) -> dict``: columns measured on the step ``fn``
+    after its timing."""
     from ..graph_step import GraphStep
     from ..model import force_step
 
@@ -189,13 +196,18 @@ def force_row(
         holder = {}
 
         def first():
-            holder["step"] = GraphStep(model, numbers)
+            holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
             holder["step"](pos, graph)
 
+        sync(pos.device.type)
+        t0 = time.perf_counter()
         peak = bench.peak_memory(first)
         if "step" not in holder:  # no GPU: peak_memory runs nothing
             first()
-        fn = lambda: holder["step"](pos, graph)
+        cap = holder["step"]
+        extra |= {"headroom": cap.headroom, "capacity": cap.capacity,
+                  "capture_s": time.perf_counter() - t0}  # fmt: skip
+        fn = lambda: cap(pos, graph)
     else:
         fn = lambda: (step or force_step)(model, pos, numbers, graph)
     if forward:
@@ -206,9 +218,11 @@ def force_row(
 
         extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
                  **extra}  # fmt: skip
-    t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=5)
+    t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=min_reps)
     if forward:
         extra["backward_ms"] = t.median - extra["forward_ms"]
+    if more is not None:
+        extra |= more(fn)
     if peak is None:
         peak = bench.peak_memory(fn)
     precision = bench.dtype_label(pos.dtype)

@@ -25,7 +25,7 @@ import torch
 
 from .. import bench, options
 from . import schema
-from .common import book_config, for_boxes, free
+from .common import book_config, for_boxes, force_row, free
 
 __all__ = ["PARTS"]
 
@@ -38,20 +38,18 @@ CPU_DEFAULTS = {"edge_frame": "packed", "zonal": "fused"}
 HEADROOMS = (None, 1.0, 1.25)
 
 
-def _host_and_wall(fn, dev: str, n: int) -> tuple[float, float]:
+def _host_and_wall(fn, n: int) -> tuple[float, float]:
     """Per call, over ``n`` back-to-back calls: the host's time to return from the
-    call, and the wall time until the device is done (ms)."""
+    call, and the wall time until the GPU is done (ms)."""
     fn()
-    if dev == "cuda":
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     host = 0.0
     t0 = time.perf_counter()
     for _ in range(n):
         t = time.perf_counter()
         fn()
         host += time.perf_counter() - t
-    if dev == "cuda":
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return host / n * 1e3, wall / n * 1e3
 
@@ -147,44 +145,24 @@ def _on_device(e) -> bool:
 
 
 def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:
-    """One row of steps.csv (step schema): the eager step, or a GraphStep built (and
-    captured) with this headroom, then timed."""
-    from ecekern.graph_step import GraphStep
-    from ecekern.model import force_step
-
-    pos, numbers, graph = inputs
-    N = pos.shape[0]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    holder = {}
-    if mode == "eager":
-        fn = lambda: force_step(model, *inputs)
-        peak = bench.peak_memory(fn)
-    else:
-
-        def build():
-            kw = {} if headroom is None else {"headroom": headroom}
-            holder["step"] = GraphStep(model, numbers, **kw)
-            holder["step"](pos, graph)
-
-        peak = bench.peak_memory(build)  # the graph's pool keeps this memory
-        capture_s = time.perf_counter() - t0
-        fn = lambda: holder["step"](pos, graph)
+    """One row of steps.csv (step schema, :func:`~.common.force_row`): the eager
+    step, or a GraphStep built (and captured) with this headroom; then the host's
+    time, the wall time and the GPU's busy fraction over back-to-back steps."""
+    N = inputs[0].shape[0]
     n = 20 if N <= 512 else 5
-    t = bench.time_fn(fn, rep_ms=200.0 if N <= 512 else 0.0, min_reps=10)
-    host, wall = _host_and_wall(fn, "cuda", n)
-    busy, ops = _busy(fn, n)
-    replay = mode == "replay"
-    row = schema.step_row(
-        label, N, graph.n_edges, mode, "float32", schema.plan(PATHS[label]), t, peak,
-        headroom=holder["step"].headroom if replay else "",
-        capacity=holder["step"].capacity if replay else "",
-        wall_ms=wall, host_ms=host, gpu_busy=busy, gpu_ops_per_step=ops,
-        capture_s=capture_s if replay else "",
-    )  # fmt: skip
-    print(f"steps {label} {mode} {headroom} {N}: {t.median:.2f} ms, host "
-          f"{host:.2f} ms, busy {busy:.2f}", flush=True)  # fmt: skip
-    return row
+
+    def more(fn):
+        host, wall = _host_and_wall(fn, n)
+        busy, ops = _busy(fn, n)
+        print(f"steps {label} {mode} {headroom} {N}: host {host:.2f} ms, busy "
+              f"{busy:.2f}", flush=True)  # fmt: skip
+        return {"wall_ms": wall, "host_ms": host, "gpu_busy": busy,
+                "gpu_ops_per_step": ops}  # fmt: skip
+
+    graph_kw = {} if headroom is None else {"headroom": headroom}
+    plan, rep_ms = schema.plan(PATHS[label]), 200.0 if N <= 512 else 0.0
+    return force_row(label, model, inputs, plan, mode, rep_ms, graph_kw=graph_kw,
+                     min_reps=10, more=more)  # fmt: skip
 
 
 def _steps(run, arg: str) -> str:
