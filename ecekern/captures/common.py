@@ -36,6 +36,7 @@ __all__ = [
     "ncu_part",
     "option_steps",
     "profile_table",
+    "profiled",
     "rel_err_gpu",
     "run_ncu",
     "step_error",
@@ -88,6 +89,24 @@ def sync(dev: str = "cuda") -> None:
     """Wait for the GPU (nothing on a CPU)."""
     if dev == "cuda":
         torch.cuda.synchronize()
+
+
+def profiled(fn, iters: int, dev: str = "cuda"):
+    """``(profile, seconds)``: ``torch.profiler`` (CPU, and CUDA on a GPU) over
+    ``iters`` back-to-back calls of ``fn`` after one call outside it, and the wall
+    time of those calls until the device is done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    cuda = [ProfilerActivity.CUDA] if dev == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(dev)
+        seconds = time.perf_counter() - t0
+    return prof, seconds
 
 
 def compile_model(model, inputs, dev: str = "cuda"):
@@ -308,18 +327,11 @@ def step_error(exc: BaseException, system: str, inputs, plan="", mode="eager") -
 
 
 def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
-    """torch.profiler over ``iters`` calls: a text table and a CSV of every op."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """torch.profiler over ``iters`` calls (:func:`profiled`): a text table and a
+    CSV of every op."""
     from .stages import device_us
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
+    ka = profiled(fn, iters)[0].key_averages()
     sort = "self_cuda_time_total"
     (out_dir / f"{stem}_table.txt").write_text(ka.table(sort_by=sort, row_limit=40))
     rows = []

@@ -25,7 +25,7 @@ import torch
 
 from .. import bench, options
 from . import schema
-from .common import book_config, for_boxes, force_row, free
+from .common import book_config, for_boxes, force_row, free, profiled
 
 __all__ = ["PARTS"]
 
@@ -115,17 +115,8 @@ def _sync_debug(fn) -> str:
 def _busy(fn, n: int) -> tuple[float, float]:
     """The GPU's busy fraction and device ops (kernels, copies, fills) per call over
     ``n`` back-to-back calls: their time from the profiler over the wall time from
-    the first launch to the end of the last one."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
+    the first launch to the end of the last one (:func:`~.common.profiled`)."""
+    prof, wall_s = profiled(fn, n)
     ops = [e for e in prof.events() if _on_device(e)]
     spans = sorted((e.time_range.start, e.time_range.end) for e in ops)
     busy_us, end = 0.0, -math.inf
@@ -133,7 +124,7 @@ def _busy(fn, n: int) -> tuple[float, float]:
         if b > end:
             busy_us += b - max(a, end)
             end = b
-    return busy_us / wall_us, len(ops) / n
+    return busy_us / (wall_s * 1e6), len(ops) / n
 
 
 def _on_device(e) -> bool:

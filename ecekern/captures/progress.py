@@ -34,7 +34,7 @@ import torch
 
 from .. import bench, options
 from . import PROGRESS_ROWS, schema
-from .common import compile_model, for_boxes, force_row, free, step_error, sync
+from .common import compile_model, for_boxes, force_row, free, profiled, step_error
 from .reference import peer_models
 from .stages import stage_times
 
@@ -246,19 +246,9 @@ def capture(
 def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
     """Rows of stages.csv: one force step's forward and backward kernel time by
     stage (``iters`` steps profiled, per step; on a CPU, CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from .stages import cpu_us, device_us
 
-    step()
-    sync(dev)
-    activities = [ProfilerActivity.CPU]
-    if dev == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(iters):
-            step()
-        sync(dev)
+    prof = profiled(step, iters, dev)[0]
     time_us = device_us if dev == "cuda" else cpu_us
     times = stage_times(prof.events(), time_us, iters=iters)
     prov = bench.provenance(torch.float32)
