@@ -11,9 +11,6 @@ Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32, fp32):
   (the profiler over consecutive steps), the capture's cost (two eager warm-up steps
   and the recording, kernels already compiled) and peak memory (for a replay: the
   peak while the step is built and captured; the graph's pool keeps that memory).
-
-The retired ``unpack`` part (dD from dP with boolean masks against the library's
-precomputed index: unpack.csv) is in ``book/history/04_graph_step``.
 """
 
 from __future__ import annotations
