@@ -52,6 +52,14 @@ log = logging.getLogger(__name__)
 #: The stack implementations that run kernels inside cohorts.
 KERNEL_STACKS = ("layers", "fused")
 
+#: Why a step that ``torch.compile`` traces runs the stack as its linears with plain
+#: autograd: the stack kernels give the input gradient only (a force step's), a
+#: compiled backward computes every parameter gradient the graph can reach, and the
+#: cohorts are a memory plan for eager autograd; inductor compiles the linears'
+#: einsums and plans their memory itself. The replayed step
+#: (:class:`~ecekern.GraphStep`) is the library's fast path.
+COMPILED_STACK = cohorts.COMPILED
+
 
 class Shapes(NamedTuple):
     """The model shapes a plan depends on: L, M, C and K (gated layers)."""
@@ -178,17 +186,20 @@ def stack_precision(precision: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
+def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
+            compiling: bool = False) -> StepPlan:  # fmt: skip
     """The plan for plain values (:func:`~ecekern.plan_for` gathers them): a device
-    type and capability, a dtype, the TF32 switch, :class:`~ecekern.plan.Shapes` and
-    :class:`~ecekern.options.Options`. Cached; each new plan is logged once (logger
-    ``ecekern.plan``, level INFO)."""
-    plan = _resolve(device_type, capability, dtype, tf32, shapes, opts)
+    type and capability, a dtype, the TF32 switch, :class:`~ecekern.plan.Shapes`,
+    :class:`~ecekern.options.Options`, and whether ``torch.compile`` is tracing the
+    step (then the stack is the linears, without cohorts: :data:`COMPILED_STACK`).
+    Cached; each new plan is logged once (logger ``ecekern.plan``, level INFO)."""
+    plan = _resolve(device_type, capability, dtype, tf32, shapes, opts, compiling)
     log.info("ecekern step plan:\n%r", plan)
     return plan
 
 
-def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> StepPlan:
+def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
+             compiling: bool = False) -> StepPlan:  # fmt: skip
     fall: list[tuple[str, str, str]] = []
     notes: list[tuple[str, str]] = []
     native = _native(device_type, dtype, tf32)
@@ -240,7 +251,7 @@ def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> Step
             f"stack={stack!r} runs inside cohorts: memory='plain' cannot serve it "
             "(use memory='keep' or 'recompute', or stack='linears')"
         )
-    if stack == "linears" and precision not in ("auto", native):
+    if stack == "linears" and precision not in ("auto", native) and not compiling:
         raise ValueError(
             f"precision={precision!r} with stack='linears': the EquivariantLinears "
             f"compute in {native} here ({dtype}, torch's TF32 switch "
@@ -251,6 +262,10 @@ def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> Step
         prec = precision if precision != "auto" else (
             "3xtf32" if dtype == torch.float32 else "fp64"
         )  # fmt: skip
+        if compiling:
+            fall.append((f"mixing stack [{stack}]", COMPILED_STACK,
+                         f"the EquivariantLinears in {native}"))  # fmt: skip
+            stack, prec = "linears", native
         if stack == "fused":
             why = cohorts.why_not("fused", stack_precision(prec), device_type,
                                   capability, dtype, shapes.F, shapes.F_out,
@@ -271,6 +286,10 @@ def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts) -> Step
         precision = native
     if memory == "auto":
         memory = "keep" if cuda or stack in KERNEL_STACKS else "plain"
+    if compiling and memory != "plain":
+        if opts.memory != "auto":
+            fall.append((f"cohorts [{memory}]", COMPILED_STACK, "plain autograd"))
+        memory = "plain"
     cohort_edges = opts.cohort_edges
     if cohort_edges == "auto":
         cohort_edges = cohorts.COHORT_EDGES
@@ -333,7 +352,8 @@ def plan_for(model, device=None, dtype=None, opts=None) -> StepPlan:
         raise TypeError(f"opts must be an ecekern.options.Options, got {opts!r:.60}")
     tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     return resolve(device.type, _capability(device), dtype, tf32,
-                    shapes_of(config), opts)  # fmt: skip
+                   shapes_of(config), opts,
+                   torch.compiler.is_compiling())  # fmt: skip
 
 
 def replace(plan: StepPlan, **changes) -> StepPlan:

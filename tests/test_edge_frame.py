@@ -450,7 +450,8 @@ def test_the_plan_takes_the_option_and_the_reference_switch():
                            options.Options(**opts))  # fmt: skip
         return got.edge_frame
 
-    assert stage("cpu", edge_frame="table") == "table"  # the interpreter's
+    if INTERPRET:  # CPU tensors run the kernels only in the interpreter
+        assert stage("cpu", edge_frame="table") == "table"
     assert stage("cuda", edge_frame="table", reference=True) == "reference"
     assert stage("cpu") == "reference" and stage("cuda") == "packed"
     with pytest.raises(ValueError, match="edge_frame"):

@@ -117,6 +117,51 @@ def test_fallbacks_are_in_the_plan_and_announced_once():
     assert {s for s, _, _ in l5.fallbacks} >= {"zonal_scatter", "edge_frame"}
 
 
+def test_a_compiled_step_runs_the_stack_as_linears_and_says_so():
+    """While torch.compile traces, the plan runs the stack's linears with plain
+    autograd (a compiled backward computes every parameter gradient; the stack
+    kernels give the input gradient only), naming the fallback; the other stages
+    keep their library ops."""
+    eager = resolve("cuda", precision="tf32")
+    assert (eager.stack, eager.memory, eager.precision) == ("layers", "keep", "tf32")
+    cap = (9, 0)
+    compiled = plan.resolve("cuda", cap, torch.float32, False, SHAPES,
+                            Options(precision="tf32"), True)  # fmt: skip
+    assert (compiled.stack, compiled.memory) == ("linears", "plain")
+    assert compiled.precision == "fp32" and not compiled.cohorts
+    assert (compiled.zonal, compiled.edge_frame) == (eager.zonal, eager.edge_frame)
+    ((stage, why, to),) = compiled.fallbacks
+    assert "layers" in stage and "torch.compile" in why and "fp32" in to
+    asked = plan.resolve("cuda", cap, torch.float32, False, SHAPES,
+                         Options(stack="fused", memory="recompute"), True)  # fmt: skip
+    assert (asked.stack, asked.memory) == ("linears", "plain")
+    assert [s for s, _, _ in asked.fallbacks] == [
+        "mixing stack [fused]", "cohorts [recompute]"]  # fmt: skip
+
+
+def test_a_direct_stack_call_under_compile_falls_back_loudly():
+    """cohorts.mixing_stack asked for kernels while compiling: the plain stack,
+    the same values, and a FallbackWarning naming torch.compile."""
+    from ecekern import cohorts, reference
+
+    g = torch.Generator().manual_seed(0)
+    F, FO = 16, 16
+    x = [torch.randn(5, F, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    ws = [torch.randn(3, F, F, generator=g, dtype=torch.float64) / 4]
+    wo = torch.randn(3, FO, F, generator=g, dtype=torch.float64) / 4
+
+    def f(xc, xs):
+        return cohorts.mixing_stack(xc, xs, ws, [None], wo, None, kernels="layers")
+
+    options.reset_fallback_warnings()
+    torch._dynamo.reset()
+    with pytest.warns(options.FallbackWarning, match="torch.compile"):
+        got = torch.compile(f, backend="eager")(*x)
+    ref = reference.mixing_stack(*x, ws, [None], wo, None)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_plans_are_cached_and_read_the_environment_at_plan_time(monkeypatch):
     model = ecekern.ECEModel(TINY)
     assert model.plan() is model.plan()

@@ -46,7 +46,8 @@ kernels do, and where those cannot the linears do, each time with a
 launch).
 
 Status: PyTorch level, any device and any ``linear``; while ``torch.compile`` traces,
-the plain stack is traced (the compiler plans its own memory). On by default for CUDA
+the plain stack of ``linear`` is traced (the compiler plans its own memory; with
+``kernels``, announced as a fallback: :data:`COMPILED`). On by default for CUDA
 tensors, with the layer kernels in 3xTF32 for float32 (chapter 6's H200 captures).
 """
 
@@ -74,6 +75,13 @@ PRECISIONS = _stack_common.PRECISIONS
 #: (``kernels=None``: the linears).
 KERNELS = ("layers", "fused")
 _FAMILY = {"layers": stack_layers, "fused": stack_fused}
+#: Why a call that ``torch.compile`` traces runs the plain stack: the kernels give
+#: the input gradient only, and a compiled backward computes every parameter
+#: gradient the graph can reach.
+COMPILED = (
+    "torch.compile traces the call: a compiled backward asks for every parameter "
+    "gradient, which the stack kernels do not compute"
+)
 
 
 def _check_kernels(kernels, precision) -> None:
@@ -497,7 +505,10 @@ def mixing_stack(
         if b.dtype != x_cos.dtype:
             raise TypeError(f"{name} has dtype {b.dtype}, the rows {x_cos.dtype}")
     linear = linear or reference.equivariant_linear
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the step plan routes a compiled model past
+        if kernels is not None:
+            options.fallback(f"cohorts.mixing_stack[{kernels} {precision}]",
+                             COMPILED, to="the linears")  # fmt: skip
         if sin0_zero:
             x_sin = _zeroed(x_sin)
         return reference.mixing_stack(
