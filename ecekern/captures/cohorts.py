@@ -17,16 +17,13 @@ every earlier chapter's fast path on (the library's defaults):
   the end of the run, with what the allocator said: the request, what the tensors
   held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF;
   ``memory=stack``: only the cases whose label starts so);
-* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the layer kernels'
-  tf32x3, tf32 and bf16 against fp64 (same weights)
-  on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
-  force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
-  each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
-  energy drift per atom;
 * ``ncu`` -> ncu_layers.csv, ncu_stack.csv, ncu_recompute.csv: Nsight Compute on
   the layer kernels and on the fused stacks, forward and force backward, at each
   precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
   ``ncu=layers``, ``ncu=stack`` or ``ncu=recompute`` runs one of the three.
+
+The precision study (precision.csv, nve.csv, still read by the chapter) is retired
+to ``book/history/06_cohorts/precision_capture.md``.
 """
 
 from __future__ import annotations
@@ -205,131 +202,6 @@ def _steps(run, arg: str) -> str:
     return option_steps(run, cases, "steps", cfg, modes=schema.MODES)
 
 
-#: The precision study's cases: (label, TF32, options); fp64 is the truth.
-PRECISION_CASES = (
-    ("fp64", False, {}),
-    ("fp32", False, {"memory": "keep", "stack": "linears"}),
-    ("tf32", True, {"memory": "keep", "stack": "linears"}),
-    *((label, False, {"memory": "keep", **o}) for label, o in FUSED[1:]),
-)
-#: The precision study's settings: rattles (A), NVE time step (fs) and length (fs).
-RATTLES = (0.05, 0.25)
-NVE_DT_FS, NVE_FS = 1.0, 1000.0
-#: NVE temperature (K) and the spring (eV/A^2) that tethers each atom to its start:
-#: the book's model has random weights and no repulsive core, so untethered atoms
-#: meet within a picosecond (closer than 0.1 A), even at 10 K.
-NVE_K, TETHER = 300.0, 1.0
-
-
-def _tether_calculator(model, anchor, device="cuda"):
-    """The model's calculator plus ``sum_i TETHER |x_i - anchor_i|^2 / 2`` in float64
-    (exact and conservative: any drift is the model's)."""
-    import numpy as np
-    from ase.calculators.calculator import Calculator, all_changes
-    from ase.calculators.mixing import SumCalculator
-
-    from ecekern.calculator import ECECalculator
-
-    class Tether(Calculator):
-        implemented_properties = ["energy", "free_energy", "forces"]
-
-        def calculate(self, atoms=None, properties=("energy",),
-                      system_changes=all_changes):  # fmt: skip
-            super().calculate(atoms, properties, system_changes)
-            d = self.atoms.positions - anchor
-            e = 0.5 * TETHER * float(np.sum(d * d))
-            self.results = {"energy": e, "free_energy": e, "forces": -TETHER * d}
-
-    return SumCalculator([ECECalculator(model, device=device), Tether()])
-
-
-def _precision(run, arg: str, rep: int = 4) -> str:
-    """Forces and energies of fp32 and TF32 against fp64 (the same weights), and
-    NVE energy drift over ``NVE_FS`` with the ASE calculator."""
-    import copy
-
-    import numpy as np
-    from ase import units
-    from ase.md.velocitydistribution import thermalize_momenta
-    from ase.md.verlet import VelocityVerlet
-
-    import ecekern
-
-    out = run.out
-    cfg = book_config("cuda", n_gated=2)
-    torch.manual_seed(0)
-    m64 = ecekern.ECEModel(cfg).double().to("cuda")
-    m32 = copy.deepcopy(m64).float()
-    cases = tuple(
-        (label, m64 if label == "fp64" else m32, tf32, opts)
-        for label, tf32, opts in PRECISION_CASES
-    )
-    rows, nve = [], []
-    for rattle in RATTLES:
-        atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
-        n = len(atoms)
-        e_ref, f_ref = (t.detach().cpu().double()
-                        for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
-        f_rms = f_ref.square().mean().sqrt().item()
-        for name, model, tf32, opts in cases[1:]:
-            bench.set_tf32(tf32)
-            try:
-                with options.use(**opts):
-                    got = ecekern.energy_and_forces(model, atoms)
-                e, f = (t.detach().cpu().double() for t in got)
-            finally:
-                bench.set_tf32(False)
-            d = (f - f_ref).norm(dim=1)
-            rows.append({
-                "precision": name, "rattle_A": rattle, "n_atoms": n,
-                "force_rms_eV_A": f_rms,
-                "force_max_eV_A": f_ref.norm(dim=1).max().item(),
-                "max_force_err_rel": d.max().item() / f_rms,
-                "rms_force_err_rel": d.square().mean().sqrt().item() / f_rms,
-                "energy_err_per_atom_eV": abs(e - e_ref).item() / n,
-                **bench.provenance(torch.float32),
-            })  # fmt: skip
-            print(rows[-1], flush=True)
-            bench.write_csv(rows, out / "precision.csv")
-    for name, model, tf32, opts in cases:
-        atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
-        thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
-        atoms.calc = _tether_calculator(model, atoms.positions.copy())
-        bench.set_tf32(tf32)
-        try:
-            with options.use(**opts):
-                e0, t_fs, es = atoms.get_total_energy(), [], []
-            dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
-
-            def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
-                t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
-                es.append(atoms.get_total_energy())
-
-            dyn.attach(log, interval=10)
-            with options.use(**opts):
-                dyn.run(round(NVE_FS / NVE_DT_FS))
-            de = (np.asarray(es) - e0) / len(atoms)
-            slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
-            row = {
-                "drift_meV_per_atom_ps": 1e3 * slope,
-                "max_dev_meV_per_atom": 1e3 * np.abs(de).max(),
-                "final_dev_meV_per_atom": 1e3 * de[-1],
-            }
-        except Exception as exc:  # a run that fails is a row, not the end
-            row = {"error": repr(exc)[:300]}
-        finally:
-            bench.set_tf32(False)
-        nve.append({
-            "precision": name, "n_atoms": len(atoms), "dt_fs": NVE_DT_FS,
-            "length_fs": NVE_FS, "temperature_K": NVE_K, "tether_eV_A2": TETHER,
-            **row,
-            **bench.provenance(next(model.parameters()).dtype),
-        })  # fmt: skip
-        print(nve[-1], flush=True)
-        bench.write_csv(nve, out / "nve.csv")
-    return "done"
-
-
 def _memory(run, only: str) -> dict:
     """memory.csv (module docstring); ``only``: the cases whose label starts so
     (``memory=stack``)."""
@@ -395,7 +267,6 @@ PARTS = {
     "stack": _stack,
     "steps": _steps,
     "memory": _memory,
-    "precision": _precision,
     "ncu": _ncu,
 }
-GPU_ONLY = ("steps", "memory", "precision", "ncu")
+GPU_ONLY = ("steps", "memory", "ncu")
