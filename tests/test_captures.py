@@ -301,12 +301,6 @@ def test_a_capture_stopped_by_sigterm_keeps_its_rows(tmp_path, toy_chapter):
         assert "methodology/rows.csv" in tar.getnames()
 
 
-def tmp_path_manifest(path):
-    """``path`` as a capture folder (an empty manifest) for :func:`captures.load`."""
-    (path / "manifest.json").write_text("{}")
-    return path
-
-
 @pytest.fixture
 def quick_timing(monkeypatch):
     """bench.time_fn with no warm-up and one timed call: the CPU smoke tests."""
@@ -316,54 +310,6 @@ def quick_timing(monkeypatch):
     monkeypatch.setattr(
         bench, "time_fn", lambda fn, **kw: real(fn, warmup_ms=0, rep_ms=0, min_reps=1)
     )
-
-
-def test_launch_sweep_keeps_the_fastest_correct_launch_per_group(tmp_path):
-    """The one launch sweep of chapters 2 and 5: a case that raised is a row with its
-    error, a wrong result is a row but never chosen, and the fastest correct case of
-    each group is returned."""
-    import time
-
-    from ecekern.captures.common import LaunchCase, launch_sweep
-
-    def case(group, name, delay, err=0.0, fail=False):
-        keys = {"variant": name}
-        return LaunchCase(group, (delay, err, fail), group, "E=1", 1, keys, nbytes=8e3,
-                          columns={"floor_ms": 0.5})  # fmt: skip
-
-    cases = [
-        case("a", "slow", 0.004),
-        case("a", "fast", 0.0),
-        case("a", "wrong", 0.0, err=1.0),
-        case("b", "raises", 0.0, fail=True),
-        case("b", "only", 0.002),
-    ]
-
-    def run(c):
-        delay, err, fail = c.launch
-        if fail:
-            raise RuntimeError("out of resources")
-        time.sleep(delay)
-        return err
-
-    from ecekern import bench
-
-    def host_time(fn):  # the cases sleep on the host: no CUDA graph can replay that
-        return bench.time_fn(fn, warmup_ms=1, rep_ms=20, device="cpu")
-
-    best = launch_sweep(
-        cases, run, lambda c, out: out, tmp_path / "sweep.csv", timer=host_time
-    )
-    assert {g: c.keys["variant"] for g, c in best.items()} == {"a": "fast", "b": "only"}
-    assert _header(tmp_path / "sweep.csv")[:11] == list(schema.KERNEL_COLUMNS[:-1])
-    rows = captures.load("x", tmp_path_manifest(tmp_path)).csv("sweep")
-    schema.check(rows, schema.KERNEL_COLUMNS)
-    assert [r["variant"] for r in rows] == ["slow", "fast", "wrong", "raises", "only"]
-    assert "out of resources" in rows[3]["error"] and rows[3]["ms"] == ""
-    assert [r["kernel"] for r in rows] == ["a", "a", "a", "b", "b"]
-    assert rows[0]["n"] == 1 and rows[0]["ms"] >= 4.0 and rows[0]["floor_ms"] == 0.5
-    assert rows[0]["GBps"] == pytest.approx(8e3 / rows[0]["ms"] / 1e6)
-    assert rows[2]["rel_err_vs_fp64"] == 1.0 and rows[0]["provenance"]["torch"]
 
 
 def test_stage_times_attribute_the_backward_to_the_stages(float64_default):
@@ -432,16 +378,11 @@ def test_chapter_opening_reads_its_row_and_stage_share():
 @pytest.mark.parametrize("chapter", ["02_linear", "05_zonal"])
 def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, quick_timing):
     """The GPU sweeps, at tiny sizes in the interpreter: every row is written and every
-    fast path agrees with float64 (the same rows, on the H200, lift the CUDA gates);
-    the launch sweep times its launches and reports the fastest per group."""
+    fast path agrees with float64 (the same rows, on the H200, lift the CUDA gates)."""
     info = runner.run_chapter(chapter, tmp_path, quick=True, ncu=False, dev="cpu")
     assert info["steps"] == "skipped: no GPU" and info["ncu"] == "skipped: no GPU"
-    assert sorted(p.name for p in tmp_path.glob("*.csv")) == (
-        ["launch_sweep.csv", "linear_sweep.csv"]
-        if chapter == "02_linear"
-        else ["launch_sweep.csv", "scatter_sweep.csv"]
-    )
     sweep = "linear_sweep" if chapter == "02_linear" else "scatter_sweep"
+    assert sorted(p.name for p in tmp_path.glob("*.csv")) == [f"{sweep}.csv"]
     rows = _rows(tmp_path / f"{sweep}.csv")
     assert all("error" not in r or not r["error"] for r in rows)
     paths = ("einsum", "dense", "triton") if chapter == "02_linear" else ()
@@ -451,20 +392,6 @@ def test_chapter_sweeps_run_as_a_smoke_test_on_the_cpu(chapter, tmp_path, quick_
         assert float(r["rel_err_vs_fp64"]) < tol, r
         assert float(r["ms"]) > 0 and float(r["floor_ms"]) > 0
         assert float(r["GBps"]) > 0 and r["problem"].startswith(f"E={r['n']},")
-    launch = _rows(tmp_path / "launch_sweep.csv")
-    assert launch and all(not r.get("error") for r in launch)
-    assert all(float(r["ms"]) > 0 for r in launch)
-    assert all(float(r["bytes"]) > 0 for r in launch if r["kernel"] != "backward")
-    if chapter == "02_linear":  # the Triton kernel's launches in each precision
-        assert {r["precision"] for r in launch} == {
-            "float32",
-            "float32+tf32",
-            "bfloat16",
-        }
-        assert set(info["launch"]) == {"float32", "float32+tf32", "bfloat16"}
-    else:  # the forward's and the gather's launches, one ZonalLaunch chosen
-        assert {r["kernel"] for r in launch} == {"forward", "backward"}
-        assert info["launch"].startswith("degrees tile=")
 
 
 @pytest.mark.slow  # every row of the table, replays too: minutes in the interpreter

@@ -1,11 +1,7 @@
-"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`),
-profiler tables, the force-step row, one part that times the force step under a
-list of option dicts (:func:`option_steps`), and one launch sweep for every
-kernel's launch choices (:func:`launch_sweep`).
-
-Nothing here changes the library's state: a launch under test is a dataclass passed to
-the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
-``ZonalLaunch``); Nsight Compute profiles the library's own launches.
+"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`,
+on the library's own launches), profiler tables, the force-step row
+(:func:`force_row`) and one part that times the force step under a list of option
+dicts (:func:`option_steps`).
 """
 
 from __future__ import annotations
@@ -15,10 +11,7 @@ import itertools
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -26,13 +19,11 @@ from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
-    "LaunchCase",
     "compile_model",
     "device",
     "for_boxes",
     "force_row",
     "free",
-    "launch_sweep",
     "ncu_part",
     "option_steps",
     "profile_table",
@@ -348,77 +339,3 @@ def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
         })  # fmt: skip
     rows.sort(key=lambda r: -r["self_cuda_ms_per_step"])
     bench.write_csv(rows, out_dir / f"{stem}_ops.csv")
-
-
-# --------------------------------------------------------------------------------------
-# launches: one sweep for every kernel
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LaunchCase:
-    """One launch to time: ``launch`` is what the chapter's ``run`` passes to the
-    kernel; the fastest correct case is kept per ``group`` (a precision, a kernel).
-
-    Its row is a kernel row (:func:`.schema.kernel_row`) of ``kernel``, ``problem``
-    and ``n``, ``nbytes`` the bytes it must move (empty: unknown), then ``keys``
-    (the launch's own columns: variant, tiles, warps) and ``columns`` (the floor);
-    ``tf32`` is switched on around the case; ``tol`` is the largest relative error
-    against float64 that counts as correct."""
-
-    group: str
-    launch: Any
-    kernel: str
-    problem: str
-    n: int
-    keys: dict
-    dtype: torch.dtype = torch.float32
-    tf32: bool = False
-    tol: float = 1e-5
-    nbytes: float | None = None
-    columns: dict = field(default_factory=dict)
-
-
-def _gpu_time(fn):
-    return bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
-
-
-def launch_sweep(
-    cases: Iterable[LaunchCase],
-    run: Callable[[LaunchCase], Any],
-    check: Callable[[LaunchCase, Any], float],
-    out_csv: Path,
-    timer: Callable | None = None,
-) -> dict[str, LaunchCase]:
-    """Time every case's ``run(case)`` (its GPU time by CUDA-graph replay,
-    :func:`bench.time_graph`, or where that cannot capture it, or on a CPU,
-    :func:`bench.time_fn`) after ``check(case, output)`` gave its relative error
-    against a float64 truth; write a row per case to ``out_csv`` (kernel schema,
-    :class:`LaunchCase`) as it goes (a case that raised is a row with its error).
-    Returns the fastest correct case per group. ``timer(fn) -> Timing`` replaces
-    the timing (tests time host work)."""
-    rows: list[dict] = []
-    best: dict[str, tuple[float, LaunchCase]] = {}
-    try:
-        for case in cases:
-            bench.set_tf32(case.tf32)
-            fn = lambda case=case: run(case)
-            precision = bench.dtype_label(case.dtype)
-            row = lambda t, **kw: schema.kernel_row(
-                case.kernel, case.problem, case.n, precision, t, case.nbytes,
-                **case.keys, **case.columns, **kw,
-            )  # fmt: skip
-            try:
-                err = check(case, fn())
-                t = (timer or _gpu_time)(fn)
-            except Exception as exc:  # out of registers or shared memory, say
-                rows.append(row(None, error=repr(exc)[:300]))
-                schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
-                continue
-            rows.append(row(t, rel_err_vs_fp64=err, launch=repr(case.launch)))
-            if err < case.tol and t.median < best.get(case.group, (float("inf"),))[0]:
-                best[case.group] = (t.median, case)
-            keys = " ".join(f"{v}" for v in case.keys.values())
-            print(case.group, keys, f"{t.median * 1e3:.1f} us err {err:.1e}")
-            schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
-    finally:
-        bench.set_tf32(False)
-    return {g: c for g, (_, c) in best.items()}

@@ -3,9 +3,6 @@
 Parts (``parts``, comma-separated), on the model's own tensors (the book's model,
 L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
-* ``launch`` -> launch_sweep.csv: ``EdgeFrameLaunch`` variants (edges per loop step
-  and warps) of the four packed kernels at 365k edges, fp32, each timed by CUDA-graph
-  replay and checked against float64;
 * ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
   the aggregation) forward and backward, reference / table / packed, its GPU time,
   the bytes model and the floor, and the packing's own cost;
@@ -15,26 +12,23 @@ L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
   (the profiler) at 4096 atoms;
 * ``ncu`` -> ncu_edge_frame.csv: the kernels at 365k edges, table then packed (the
   order of :func:`ecekern.captures.targets.edge_frame`).
+
+The launch sweep (its last launch_sweep.csv stays stored) is retired to
+``book/history/02_linear/launch_sweeps.md``.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import itertools
 
 import torch
 
 from .. import bench
 from . import schema
 from .common import (
-    LaunchCase,
     ceilings,
     device,
     free,
-    launch_sweep,
     ncu_part,
     option_steps,
-    rel_err_gpu,
 )
 
 __all__ = ["PARTS", "step_tensors"]
@@ -103,11 +97,6 @@ def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     }
 
 
-def _double(t: dict) -> dict:
-    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-            for k, v in t.items()}  # fmt: skip
-
-
 def _frames(t: dict, variant: str, launch=None):
     from .. import edge_frame
 
@@ -135,55 +124,6 @@ def _ops(fr, t: dict):
         "unrotate_bwd": lambda: ef.unrotate_bwd(
             t["G"], *y, *unrot, True, True, fr.launch
         ),  # fmt: skip
-    }
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-# --------------------------------------------------------------------------------------
-# launch sweep
-# --------------------------------------------------------------------------------------
-def _launch(run, arg: str) -> dict:
-    """launch_sweep.csv at the largest box; returns the fastest launch per kernel."""
-    from .. import edge_frame as ef
-
-    t = step_tensors(run.reps()[-1])
-    t64 = _double(t)
-    truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
-    model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
-    bw = ceilings()["copy_GBps"]
-    problem = f"E={t['E']}, L={t['L']}, M={t['M']}, C={t['C']}"
-    blocks, warps = ((2, 4, 8, 16), (4, 8)) if run.dev == "cuda" else ((4,), (1,))
-    cases = []
-    for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
-        floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
-        for be, w in itertools.product(blocks, warps):
-            f = kernel.replace("_fwd", "")
-            launch = dataclasses.replace(
-                ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
-            )
-            cases.append(LaunchCase(
-                f"{kernel} {t['E']}", launch, kernel, problem, t["E"],
-                {"block_e": be, "warps": w}, nbytes=model[f"floor_{kernel}"],
-                columns={"floor_ms": floor},
-            ))  # fmt: skip
-    frames = {}
-
-    def run_case(case):
-        fr = frames.get(case.launch)
-        if fr is None:
-            fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
-        return _first(fr[case.kernel]())
-
-    def check(case, got):
-        return rel_err_gpu(got, truth[case.kernel])
-
-    best = launch_sweep(cases, run_case, check, run.out / "launch_sweep.csv")
-    free()
-    return {
-        "launch": {k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()}
     }
 
 
@@ -302,5 +242,5 @@ def _steps(run, arg: str) -> str:
 
 
 _ncu = ncu_part({"edge_frame": ("edge_frame", None)})
-PARTS = {"launch": _launch, "kernels": _kernels, "steps": _steps, "ncu": _ncu}
+PARTS = {"kernels": _kernels, "steps": _steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")

@@ -2,10 +2,6 @@
 
 Parts (``parts``, comma-separated):
 
-* ``launch`` -> launch_sweep.csv: ``ZonalLaunch`` variants of the degrees forward and
-  of the edge gather at E = 365k, L = 3, C = 32, fp32, each timed (GPU time: CUDA
-  graph replay) and checked against float64; the fastest of each is reported (the
-  library's launch is ``zonal.ZonalLaunch()``'s defaults: a human changes them);
 * ``sweep`` -> scatter_sweep.csv: forward and forward + backward times, peak memory,
   the DRAM floor and the error against float64, the fused op at the library's launch
   (``zonal._scatter_op``, past the CUDA gate);
@@ -13,22 +9,20 @@ Parts (``parts``, comma-separated):
   reference and the fused scatter (the linear on the einsum: only the scatter
   changes);
 * ``ncu`` -> ncu_fused.csv: the gather and the forward at the library's launch.
+
+The launch sweep (launch_sweep.csv, still read by the chapter) is retired to
+``book/history/02_linear/launch_sweeps.md``.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import itertools
 
 import torch
 
 from .. import bench
 from . import schema
 from .common import (
-    LaunchCase,
     ceilings,
     free,
-    launch_sweep,
     ncu_part,
     option_steps,
     profile_table,
@@ -54,39 +48,6 @@ def notes(run) -> dict:
     return {"config": launch_label(zonal.ZonalLaunch())}
 
 
-# --------------------------------------------------------------------------------------
-# launch sweep
-# --------------------------------------------------------------------------------------
-def launch_cases(L, C, E, nbytes, floor, quick) -> list[LaunchCase]:
-    """The forward's (BLOCK_E, warps, stages of the CSR walk) and the gather's
-    (BLOCK_E, warps) as ``ZonalLaunch`` objects: BLOCK_E times the padded rows and
-    channels of one edge is the tile."""
-    from .. import zonal
-    from .._triton import triton
-
-    C_PAD = triton.next_power_of_2(C)
-    S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
-    base = zonal.ZonalLaunch()
-    cases = []
-    sizes = (4, 8, 16) if quick else (4, 8, 16, 32)
-    problem = f"E={E}, L={L}, C={C}"
-    for be, warps, stages in itertools.product(sizes, (1, 2, 4), (1, 3, 4)):
-        tile = be * zonal.fwd_rows(L) * C_PAD
-        launch = dataclasses.replace(
-            base, fwd_tile=tile, fwd_warps=warps, fwd_stages=stages
-        )
-        keys = {"variant": "degrees", "block_e": be, "warps": warps, "stages": stages}
-        cases.append(LaunchCase("forward", launch, "forward", problem, E,
-                                keys | {"acc": "edge"}, nbytes=nbytes,
-                                columns={"floor_ms": floor}))  # fmt: skip
-    for be, warps in itertools.product(sizes, (1, 2, 4)):
-        launch = dataclasses.replace(base, bwd_tile=be * S_PAD * C_PAD, bwd_warps=warps)
-        keys = {"variant": "edge", "block_e": be, "warps": warps, "stages": 1}
-        cases.append(LaunchCase("backward", launch, "backward", problem, E,
-                                keys | {"acc": ""}))  # fmt: skip
-    return cases
-
-
 def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
     """A random scatter of ``E`` edges onto ``N = E // 89`` atoms (the diamond's
     in-degree), float64: ``(N, dst, row_ptr, Z, R, G)``, ``dst`` sorted with its CSR
@@ -100,51 +61,6 @@ def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.float64,
                                      generator=g)  # fmt: skip
     return N, dst, csr_row_ptr(dst, N), rnd(E, S - 1), rnd(E, L, C), rnd(N, S, C)
-
-
-def _launch(run, arg: str) -> dict:
-    """launch_sweep.csv; the notes name the library's launch with the fastest
-    forward's and the fastest gather's fields."""
-    from .. import reference, zonal
-
-    quick, dev = run.quick, run.dev
-    E, L, C = (20_000, 3, 32) if quick else (365_000, 3, 32)
-    if dev != "cuda":
-        E, L, C = 300, 2, 8
-    N, dst, row_ptr, Z64, R64, G64 = random_scatter(E, L, C, dev, 7)
-    Zr, Rr = Z64.clone().requires_grad_(), R64.clone().requires_grad_()
-    h64 = reference.zonal_scatter(Zr, Rr, dst, row_ptr, 0.1)
-    dz64, dr64 = torch.autograd.grad(h64, (Zr, Rr), G64)
-    Z, R, G = Z64.float(), R64.float(), G64.float()
-    model = zonal.traffic(E, N, L, C, 4)
-    floor = bench.floor_ms(model["bytes_fwd"], 0, ceilings()["copy_GBps"])
-    cases = launch_cases(L, C, E, model["bytes_fwd"], floor, quick or dev != "cuda")
-    if dev != "cuda":  # the interpreter runs every launch at BLOCK_E = 16: a few
-        cases = cases[:2] + [c for c in cases if c.group == "backward"][:2]
-
-    def run_case(case):
-        if case.group == "forward":
-            return zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=case.launch)
-        return zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=case.launch)
-
-    def check(case, got):
-        if case.group == "forward":
-            return rel_err_gpu(got, h64)
-        return max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
-
-    best = launch_sweep(cases, run_case, check, run.out / "launch_sweep.csv")
-    chosen = zonal.ZonalLaunch()
-    fields = {"forward": ("fwd_tile", "fwd_warps", "fwd_stages"),
-              "backward": ("bwd_tile", "bwd_warps")}  # fmt: skip
-    for group, names in fields.items():
-        if group in best:
-            won = {k: getattr(best[group].launch, k) for k in names}
-            chosen = dataclasses.replace(chosen, **won)
-    free()
-    note = {"launch": launch_label(chosen)}
-    if chosen != zonal.ZonalLaunch():
-        note["launch_note"] = "the sweep's fastest differs from the library's"
-    return note
 
 
 # --------------------------------------------------------------------------------------
@@ -292,5 +208,5 @@ def _model_steps(run, arg: str) -> str:
 
 
 _ncu = ncu_part({"fused": ("zonal_fused", None)})
-PARTS = {"launch": _launch, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
+PARTS = {"sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
 GPU_ONLY = ("steps", "ncu")
