@@ -154,7 +154,7 @@ def test_progress_rows_read_the_progress_table(tmp_path):
     assert defaults["vs_fastest_peer"] == pytest.approx(25.0 / 20.0)
     assert by[(512, "float32+tf32", "library defaults")]["vs_fastest_peer"] is None
     assert by[(4096, "float32", "reference")]["vs_reference"] == pytest.approx(1.0)
-    assert defaults["chapter"] == "library defaults" and defaults["peak_mem_MiB"] == 1
+    assert defaults["chapter"] == "library defaults" and defaults["peak_MiB"] == 1
 
 
 def test_ncu_pages_parse():

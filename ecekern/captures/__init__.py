@@ -141,7 +141,7 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     the table's order (:data:`PROGRESS_ROWS`) by size, then precision; rows that
     failed are left out. Each row: ``system`` (and ``chapter``, the same label),
     ``n_atoms``, ``n_edges``, ``dtype`` (the row's ``precision``), ``step_ms``
-    (``ms``), ``peak_mem_MiB`` (``peak_MiB``), ``vs_reference``,
+    (``ms``), ``peak_MiB``, ``vs_reference``,
     ``vs_fastest_peer``, ``device``, ``commit`` (from its provenance)."""
     base = Path(root) if root else capture_root()
     rows = []
@@ -152,7 +152,7 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
         rows.append(
             {"system": r["system"], "chapter": r["system"], "n_atoms": r["n_atoms"],
              "n_edges": r["n_edges"], "dtype": r["precision"], "step_ms": r["ms"],
-             "peak_mem_MiB": r["peak_MiB"], "device": prov["device"],
+             "peak_MiB": r["peak_MiB"], "device": prov["device"],
              "commit": prov["commit"]}
         )  # fmt: skip
 
