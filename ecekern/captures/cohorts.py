@@ -208,8 +208,7 @@ def _memory(run, only: str) -> dict:
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    boxes = [int(b) for b in (run.boxes or "4,8,12,16").split(",")]
-    boxes, out = boxes[:2] if run.quick else boxes, run.out
+    boxes, out = run.reps(full=(4, 8, 12, 16), quick=(4, 8)), run.out
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}

@@ -67,20 +67,15 @@ def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"
         yield label, model
 
 
-def _boxes(run) -> list[int]:
-    """``--boxes`` (diamond repeats), else 2 and 4 with ``--quick``, else 4 and 8."""
-    if run.boxes:
-        return [int(b) for b in run.boxes.split(",")]
-    return [2, 4] if run.quick else [4, 8]
-
-
 def _progress(run, arg: str) -> dict:
     """progress.csv and stages.csv (:func:`ecekern.captures.progress.capture`);
     ``progress=SECONDS``: its time budget."""
     from . import progress
 
     budget = float(arg) if arg else None
-    return progress.capture(run.out, _boxes(run), quick=run.quick, budget_s=budget)
+    return progress.capture(
+        run.out, run.reps(quick=(2, 4)), quick=run.quick, budget_s=budget
+    )
 
 
 _ncu = ncu_part({"force_step": ("force_step", None)}, timeout=180)
@@ -108,7 +103,7 @@ def _reference(run, arg: str) -> str:
     """force_step.csv: the reference at the standard boxes, strict fp32, fp32 +
     TF32, fp64 (:func:`_reference_row`)."""
     rows = []
-    for rep in _boxes(run):
+    for rep in run.reps(quick=(2, 4)):
         for dtype, tf32 in [
             (torch.float32, False),
             (torch.float32, True),
@@ -134,7 +129,7 @@ def _profiles(run, arg: str) -> str:
             profile_table(lambda: force_step(model, *inputs), run.out,
                           f"profile_step_{n}")  # fmt: skip
 
-    for_boxes(run, body, reps=_boxes(run))
+    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     return "done"
 
 
@@ -166,7 +161,7 @@ def _peers(run, arg: str) -> dict:
             peer = None
             free()
 
-    for_boxes(run, body, reps=_boxes(run))
+    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     schema.write(rows, out)
     return info
 
