@@ -355,22 +355,6 @@ def test_chapter_opening_reads_its_row_and_stage_share():
     assert "takes" not in captures.chapter_opening("reference", ())
 
 
-@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
-def test_zonal_sweep_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
-    """Chapter 5's sweep at tiny sizes in the interpreter: every row is written and the
-    fused op agrees with float64 (the same rows, on the H200, lift the CUDA gate)."""
-    info = runner.run_chapter("05_zonal", tmp_path, quick=True, ncu=False, dev="cpu")
-    assert info["steps"] == "skipped: no GPU" and info["ncu"] == "skipped: no GPU"
-    assert sorted(p.name for p in tmp_path.glob("*.csv")) == ["scatter_sweep.csv"]
-    rows = _rows(tmp_path / "scatter_sweep.csv")
-    assert all("error" not in r or not r["error"] for r in rows)
-    assert {r["kernel"] for r in rows} == {"reference", "fused"}
-    for r in rows:
-        assert float(r["rel_err_vs_fp64"]) < 1e-5, r
-        assert float(r["ms"]) > 0 and float(r["floor_ms"]) > 0
-        assert float(r["GBps"]) > 0 and r["problem"].startswith(f"E={r['n']},")
-
-
 @pytest.mark.slow  # every row of the table, replays too: minutes in the interpreter
 @pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
