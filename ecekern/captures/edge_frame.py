@@ -1,11 +1,9 @@
-"""Chapter 3's capture: the edge-frame kernels, table against packed, and the step.
+"""Chapter 3's capture: the edge frame by the reference, the table and the packed
+kernels in the force step.
 
 Parts (``parts``, comma-separated), on the model's own tensors (the book's model,
 L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
-* ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
-  the aggregation) forward and backward, reference / table / packed, its GPU time,
-  the bytes model and the floor, and the packing's own cost;
 * ``steps`` -> steps.csv, stages.csv: the force step at 512 and 4096 atoms
   with chapters 2 and 5 on, the edge frame by the reference, the table kernels and
   the packed kernels: time, peak memory, and the forward and backward time by stage
@@ -13,8 +11,9 @@ L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 * ``ncu`` -> ncu_edge_frame.csv: the kernels at 365k edges, table then packed (the
   order of :func:`ecekern.captures.targets.edge_frame`).
 
-The launch sweep (its last launch_sweep.csv stays stored) is retired to
-``book/history/02_linear/launch_sweeps.md``.
+The launch sweep and the ops alone, reference / table / packed (kernels.csv, which
+the chapter reads), are retired to ``book/history`` (``02_linear/launch_sweeps.md``,
+``03_edge_frame/kernels_capture.md``); their last runs stay stored.
 """
 
 from __future__ import annotations
@@ -22,14 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from . import schema
-from .common import (
-    ceilings,
-    device,
-    free,
-    ncu_part,
-    option_steps,
-)
+from .common import device, ncu_part, option_steps
 
 __all__ = ["PARTS", "step_tensors"]
 #: The kernels in the order the ncu target runs them, per variant (the rotations
@@ -128,88 +120,6 @@ def _ops(fr, t: dict):
 
 
 # --------------------------------------------------------------------------------------
-# the ops, reference / table / packed
-# --------------------------------------------------------------------------------------
-def _kernels(run, arg: str) -> str:
-    """kernels.csv (kernel schema: ``kernel`` the op, ``n`` its edges, with its
-    ``variant``): each op's GPU time by variant, with the bytes model."""
-    from .. import edge_frame as ef
-    from .. import reference
-
-    out, reps = run.out, run.reps()
-    bw = ceilings()["copy_GBps"]
-    rows: list[dict] = []
-    for rep in reps:
-        t = step_tensors(rep)
-        g = t["graph"]
-        L, M = t["L"], t["M"]
-        problem = f"E={t['E']}, L={L}, M={M}, C={t['C']}"
-        gx = [torch.randn(t["E"], 2 * t["C"] * (L + 1), M + 1, device=t["h"].device)
-              for _ in range(2)]  # fmt: skip
-
-        def ref_rotate():
-            xc, xs = reference.rotate_and_select(t["h"], g.src, g.dst, t["D"], M)
-            return xc * t["rho"][:, :, None], xs * t["rho"][:, :, None]
-
-        def ref_unrotate():
-            msg = reference.pack_and_unrotate(t["y_cos"], t["y_sin"], t["D"], M)
-            return reference.aggregate(msg, g.dst, t["N"], t["scale"], t["w"])
-
-        def leaf(*names):
-            return [t[n].detach().requires_grad_() for n in names]
-
-        def ref_rotate_fb():
-            h, D, rho = leaf("h", "D", "rho")
-            xc, xs = reference.rotate_and_select(h, g.src, g.dst, D, M)
-            torch.autograd.backward((xc * rho[:, :, None], xs * rho[:, :, None]), gx)
-
-        def ref_unrotate_fb():
-            yc, ys, D, w = leaf("y_cos", "y_sin", "D", "w")
-            msg = reference.pack_and_unrotate(yc, ys, D, M)
-            delta = reference.aggregate(msg, g.dst, t["N"], t["scale"], w)
-            delta.backward(t["G"])
-
-        timings = {
-            ("reference", "rotate"): (ref_rotate, ref_rotate_fb),
-            ("reference", "unrotate"): (ref_unrotate, ref_unrotate_fb),
-        }
-        for variant in ef.VARIANTS:
-            o = _ops(_frames(t, variant), t)
-            for op in ("rotate", "unrotate"):
-                fwd, bwd = o[f"{op}_fwd"], o[f"{op}_bwd"]
-                timings[(variant, op)] = (fwd, lambda f=fwd, b=bwd: (f(), b()))
-        for (variant, op), (fwd, fb) in timings.items():
-            packed = variant == "packed"
-            model = ef.traffic(t["E"], t["N"], L, M, t["C"], 4, packed=packed)
-            t_f = bench.time_graph(fwd) or bench.time_fn(fwd)
-            t_fb = bench.time_fn(fb) if variant == "reference" else (
-                bench.time_graph(fb) or bench.time_fn(fb))  # fmt: skip
-            floor_f = bench.floor_ms(model[f"floor_{op}_fwd"], 0, bw)
-            fb_bytes = model[f"floor_{op}_fwd"] + model[f"floor_{op}_bwd"]
-            floor_fb = bench.floor_ms(fb_bytes, 0, bw)
-            rows.append(schema.kernel_row(
-                op, problem, t["E"], "float32", t_f, model[f"floor_{op}_fwd"],
-                variant=variant, n_atoms=t["N"], fwd_bwd_ms=t_fb.median,
-                backward_ms=t_fb.median - t_f.median, floor_fwd_ms=floor_f,
-                floor_fwd_bwd_ms=floor_fb, floor_fraction_fwd=floor_f / t_f.median,
-                floor_fraction_fwd_bwd=floor_fb / t_fb.median,
-                timer_fwd_bwd="eager" if variant == "reference" else "graph",
-                message_MB=model["message_bytes"] / 1e6,
-            ))  # fmt: skip
-            print(op, variant, t["E"], f"fwd {t_f.median:.3f} ms",
-                  f"fwd+bwd {t_fb.median:.3f} ms", flush=True)  # fmt: skip
-            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
-        t_pack = bench.time_graph(lambda: ef.pack(t["D"], M))
-        if t_pack is not None:
-            pack = schema.kernel_row("pack", problem, t["E"], "float32", t_pack)
-            rows.append({**pack, "variant": "packed", "n_atoms": t["N"]})
-            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
-        t = timings = None
-        free()
-    return "done"
-
-
-# --------------------------------------------------------------------------------------
 # the force step
 # --------------------------------------------------------------------------------------
 #: (the stack as before chapter 6: the linears, no cohorts)
@@ -242,5 +152,5 @@ def _steps(run, arg: str) -> str:
 
 
 _ncu = ncu_part({"edge_frame": ("edge_frame", None)})
-PARTS = {"kernels": _kernels, "steps": _steps, "ncu": _ncu}
-GPU_ONLY = ("steps", "ncu")
+PARTS = {"steps": _steps, "ncu": _ncu}
+GPU_ONLY = tuple(PARTS)
