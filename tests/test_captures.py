@@ -434,22 +434,6 @@ def test_graph_step_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
                              "reference: syncs, h2d": [0, 0]}  # fmt: skip
 
 
-@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
-def test_cohorts_capture_runs_as_a_smoke_test_on_the_cpu(tmp_path):
-    """Chapter 6's stack part at a tiny size; the step parts need a GPU."""
-    from ecekern.captures import cohorts
-
-    info = runner.run_chapter("06_cohorts", tmp_path, quick=True, dev="cpu")
-    assert info["steps"] == "skipped: no GPU" and info["memory"] == "skipped: no GPU"
-    assert info["ncu"] == "skipped: no GPU"
-    rows = _rows(tmp_path / "stack.csv")
-    labels = [c[0] for c in cohorts.COHORTS] + [f[0] for f in cohorts.FUSED]
-    labels.append(cohorts.FUSED_RECOMPUTE[0])
-    labels += [f[0] for f in cohorts.STACK_RECOMPUTE]
-    assert [r["kernel"] for r in rows] == labels
-    assert all("multiples of 16" in r["note"] for r in rows[len(cohorts.COHORTS) :])
-
-
 def test_ncu_part_runs_the_named_programs(tmp_path, monkeypatch):
     """One Nsight Compute part for every chapter: each name is a program and a CSV,
     ``ncu=NAME`` picks some, and an unknown name is an error."""

@@ -3,10 +3,6 @@
 Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32), strict fp32,
 every earlier chapter's fast path on (the library's defaults):
 
-* ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
-  backward) at the 512- and 4096-atom boxes' edge counts, plain, in cohorts
-  (:data:`COHORTS`) and by the layer kernels (:data:`FUSED`): time (ms) and the
-  peak memory above the inputs (MiB);
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
   replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
@@ -22,8 +18,9 @@ every earlier chapter's fast path on (the library's defaults):
   precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
   ``ncu=layers``, ``ncu=stack`` or ``ncu=recompute`` runs one of the three.
 
-The precision study (precision.csv, nve.csv, still read by the chapter) is retired
-to ``book/history/06_cohorts/precision_capture.md``.
+The mixing stack alone (stack.csv) and the precision study (precision.csv, nve.csv)
+are retired to ``book/history/06_cohorts`` (``stack_capture.md``,
+``precision_capture.md``); their last runs stay stored and the chapter reads them.
 """
 
 from __future__ import annotations
@@ -35,19 +32,10 @@ import torch
 
 from .. import bench, options
 from .._stack_common import kernel_precision
-from ..cohorts import COHORT_EDGES
 from . import schema
 from .common import book_config, free, ncu_part, option_steps
 
 __all__ = ["PARTS"]
-#: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
-COHORTS = (
-    ("plain", None, None),
-    ("keep z", 8192, False),
-    ("keep z", 131072, False),
-    ("recompute", 8192, True),
-    ("recompute", 131072, True),
-)
 
 
 def _label(stack: str, precision: str) -> str:
@@ -57,8 +45,8 @@ def _label(stack: str, precision: str) -> str:
     return f"{family} {kernel_precision(precision)}"
 
 
-#: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
-#: per tile of edges): (label, options), the layer kernels in the order strict fp32,
+#: The layer kernels' cases, and the fused stacks' (one kernel per tile of edges):
+#: (label, options), the layer kernels in the order strict fp32,
 #: TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32, bf16; they
 #: skip the m = 0 sin part as the model does (``sin0_zero``).
 FUSED = tuple(
@@ -77,98 +65,6 @@ FUSED_RECOMPUTE = (
 #: z again on chip: (label, options).
 STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
                         if o["stack"] == "fused")  # fmt: skip
-
-
-def _planes_copy(rows):
-    """Copies of a (cos, sin) pair of ``(E, W, n_ang)`` rows as the views of one
-    ``(n_ang, 2, E, W)`` planes tensor."""
-    from ecekern._planes import planes_pair
-
-    _, *pair = planes_pair(rows[0], *rows[0].shape)
-    for a, b in zip(pair, rows, strict=True):
-        a.copy_(b.detach())
-    return list(pair)
-
-
-#: What a row of stack.csv times (its ``n``: the edges).
-PROBLEM = "one layer's stack, forward + input backward"
-
-
-def _stack(run, arg: str) -> str:
-    """stack.csv (kernel schema, with ``cohort_edges`` and ``peak_MiB``; module
-    docstring)."""
-    import ecekern
-    from ecekern import cohorts, reference
-    from ecekern.linear import equivariant_linear
-    from ecekern.model import prepare_inputs
-
-    out, reps, dev = run.out, run.reps(), run.dev
-    cfg = book_config(dev, n_gated=2)
-    model = ecekern.ECEModel(cfg).to(dev)
-    layer = model.interactions[0]
-    weights = [lin.weight for lin in layer.gated]
-    biases = [lin.bias for lin in layer.gated]
-    rows = []
-    for rep in reps:
-        *_, graph = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
-        )
-        E = graph.n_edges
-        x_rows = [
-            torch.randn(E, cfg.F, cfg.n_ang, device=dev, requires_grad=True)
-            for _ in range(2)
-        ]
-        gy_rows = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
-        gy_rows.append(torch.randn_like(gy_rows[0]))
-        # the layer kernels get their rows as the model hands them over: planes
-        # pairs (chapter 3's planes=True), the same values, no copies
-        xp = [t.requires_grad_() for t in _planes_copy(x_rows)]
-        gyp = _planes_copy(gy_rows)
-        cases = [(*c, None) for c in COHORTS]
-        cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
-        label, p, c = FUSED_RECOMPUTE
-        cases.append((label, c, True, p))
-        cases += [(label, COHORT_EDGES, True, p) for label, p in STACK_RECOMPUTE]
-        for label, cohort, recompute, opts in cases:
-            kernels, precision = (None, "fp32") if opts is None else (
-                opts["stack"], opts["precision"])  # fmt: skip
-            why = kernels and cohorts.why_not(
-                "layers", precision, dev, None, torch.float32, cfg.F,
-                layer.out.weight.shape[1], cfg.n_ang,
-            )  # fmt: skip
-            if why:  # the interpreter's tiny model: widths without a factor 16
-                row = schema.kernel_row(label, PROBLEM, E, "float32", None, note=why)
-                rows.append({**row, "cohort_edges": cohort or ""})
-                schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
-                continue
-
-            def fwd_bwd(cohort=cohort, recompute=recompute, kernels=kernels,
-                        precision=precision):  # fmt: skip
-                x, gy = (xp, gyp) if kernels else (x_rows, gy_rows)
-                if cohort is None:
-                    y = reference.mixing_stack(
-                        *x, weights, biases, layer.out.weight, layer.out.bias,
-                        equivariant_linear,
-                    )  # fmt: skip
-                else:
-                    y = cohorts.mixing_stack(
-                        *x, weights, biases, layer.out.weight, layer.out.bias,
-                        equivariant_linear, cohort_edges=cohort, recompute=recompute,
-                        kernels=kernels, precision=precision,
-                        sin0_zero=kernels is not None,
-                    )  # fmt: skip
-                return torch.autograd.grad(y, x, gy)
-
-            t = bench.time_fn(fwd_bwd) if dev == "cuda" else None
-            peak = bench.peak_memory(fwd_bwd) / 2**20
-            c = cohort or ""
-            row = schema.kernel_row(label, PROBLEM, E, "float32", t, cohort_edges=c)
-            rows.append({**row, "peak_MiB": peak})
-            print(f"stack {label} {cohort} E={E}: {t.median if t else 0:.2f} ms",
-                  flush=True)  # fmt: skip
-            schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
-            free()
-    return "done"
 
 
 #: (label, options) cases of the ``steps`` and ``memory`` parts.
@@ -262,10 +158,5 @@ _ncu = ncu_part({
     "stack": ("cohorts_stack", ["-k", "regex:_fused"]),
     "recompute": ("cohorts_stack_recompute", ["-k", "regex:_fused"]),
 })  # fmt: skip
-PARTS = {
-    "stack": _stack,
-    "steps": _steps,
-    "memory": _memory,
-    "ncu": _ncu,
-}
-GPU_ONLY = ("steps", "memory", "ncu")
+PARTS = {"steps": _steps, "memory": _memory, "ncu": _ncu}
+GPU_ONLY = tuple(PARTS)
