@@ -28,7 +28,6 @@ __all__ = [
     "option_steps",
     "profile_table",
     "profiled",
-    "rel_err_gpu",
     "run_ncu",
     "step_error",
     "sync",
@@ -156,12 +155,6 @@ def ceilings() -> dict:
 # --------------------------------------------------------------------------------------
 # rows
 # --------------------------------------------------------------------------------------
-def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` on the device, in float64."""
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
-
-
 def timing_columns(prefix: str, t) -> dict:
     """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
     ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""

@@ -33,9 +33,6 @@ def notes(run) -> dict:
     return {"library_launch": {k: repr(v) for k, v in plan.LAUNCH.items()}}
 
 
-# --------------------------------------------------------------------------------------
-# model steps
-# --------------------------------------------------------------------------------------
 #: The options of the force step with each EquivariantLinear path (the zonal scatter
 #: on the reference: only the linear changes).
 STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)

@@ -52,9 +52,6 @@ def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
     return N, dst, csr_row_ptr(dst, N), rnd(E, S - 1), rnd(E, L, C), rnd(N, S, C)
 
 
-# --------------------------------------------------------------------------------------
-# model steps
-# --------------------------------------------------------------------------------------
 #: The options of the steps: the reference scatter against the fused op, the linear
 #: on the einsum (only the scatter changes).
 STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
