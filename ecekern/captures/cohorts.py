@@ -8,19 +8,16 @@ every earlier chapter's fast path on (the library's defaults):
   replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
   at most 5 % slower);
 * ``memory`` -> memory.csv: the force step's peak memory against the atom count,
-  plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
-  diamond repeats), and the largest box that ran (an out-of-memory is a row, not
-  the end of the run, with what the allocator said: the request, what the tensors
-  held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF;
+  plain, keeping z and recomputing, up to the boxes given (``--boxes 4,8,12,16``,
+  the default: diamond repeats), and the largest box that ran (an out-of-memory is
+  a row, not the end of the run, with what the allocator said: the request, what
+  the tensors held and what was reserved but free; ``alloc_conf``:
+  PYTORCH_CUDA_ALLOC_CONF;
   ``memory=stack``: only the cases whose label starts so);
 * ``ncu`` -> ncu_layers.csv, ncu_stack.csv, ncu_recompute.csv: Nsight Compute on
   the layer kernels and on the fused stacks, forward and force backward, at each
   precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
   ``ncu=layers``, ``ncu=stack`` or ``ncu=recompute`` runs one of the three.
-
-The mixing stack alone (stack.csv) and the precision study (precision.csv, nve.csv)
-are retired to ``book/history/06_cohorts`` (``stack_capture.md``,
-``precision_capture.md``); their last runs stay stored and the chapter reads them.
 """
 
 from __future__ import annotations
@@ -45,10 +42,9 @@ def _label(stack: str, precision: str) -> str:
     return f"{family} {kernel_precision(precision)}"
 
 
-#: The layer kernels' cases, and the fused stacks' (one kernel per tile of edges):
-#: (label, options), the layer kernels in the order strict fp32,
-#: TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32, bf16; they
-#: skip the m = 0 sin part as the model does (``sin0_zero``).
+#: The stack kernels' cases, (label, options): the layer kernels in the order strict
+#: fp32, TF32, 3xTF32, bf16, then the fused stacks (one kernel per tile of edges)
+#: strict fp32, 3xTF32, TF32, bf16.
 FUSED = tuple(
     (_label(stack, p), {"stack": stack, "precision": p})
     for stack, ps in (("layers", ("fp32", "tf32", "3xtf32", "bf16")),

@@ -19,6 +19,7 @@ from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
+    "BEFORE_CH6",
     "compile_model",
     "device",
     "for_boxes",
@@ -45,6 +46,10 @@ NCU_STALLS = [
     for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
               "math_pipe_throttle", "barrier", "wait", "not_selected", "selected")
 ]  # fmt: skip
+
+
+#: The stack as before chapter 6 (the linears, no cohorts): chapters 1 to 5's steps.
+BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
 
 
 # --------------------------------------------------------------------------------------

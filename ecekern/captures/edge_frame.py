@@ -10,10 +10,6 @@ L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
   (the profiler) at 4096 atoms;
 * ``ncu`` -> ncu_edge_frame.csv: the kernels at 365k edges, table then packed (the
   order of :func:`ecekern.captures.targets.edge_frame`).
-
-The launch sweep and the ops alone, reference / table / packed (kernels.csv, which
-the chapter reads), are retired to ``book/history`` (``02_linear/launch_sweeps.md``,
-``03_edge_frame/kernels_capture.md``); their last runs stay stored.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from .common import device, ncu_part, option_steps
+from .common import BEFORE_CH6, device, ncu_part, option_steps
 
 __all__ = ["PARTS", "step_tensors"]
 #: The kernels in the order the ncu target runs them, per variant (the rotations
@@ -122,12 +118,11 @@ def _ops(fr, t: dict):
 # --------------------------------------------------------------------------------------
 # the force step
 # --------------------------------------------------------------------------------------
-#: (the stack as before chapter 6: the linears, no cohorts)
+#: The options of the steps: chapters 2 and 5 on, the edge frame switched.
 STEP_OPTIONS = {
-    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, "stack": "linears",
-         "memory": "plain"}
+    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, **BEFORE_CH6}
     for ef in ("reference", "table", "packed")
-}  # fmt: skip
+}
 
 
 def _steps(run, arg: str) -> str:

@@ -7,11 +7,6 @@ Parts (``parts``, comma-separated):
 * ``ncu`` -> ncu_triton.csv, ncu_dense.csv: the forward of each precision at the
   library's choice of kernel and launch, then the Triton kernel in strict fp32
   (:func:`ecekern.captures.targets.eqlin_triton`), and the dense path's.
-
-The launch sweep (launch_sweep.csv) and the sweep of the paths over E and n_ang
-(linear_sweep.csv: how ``auto``'s choice was made) are retired to
-``book/history/02_linear`` (``launch_sweeps.md``, ``linear_sweep_capture.md``);
-their last runs stay stored and the chapter reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from __future__ import annotations
 import csv
 import itertools
 
-from .common import ncu_part, option_steps, profile_table
+from .common import BEFORE_CH6, ncu_part, option_steps, profile_table
 
 __all__ = ["PARTS", "PATHS_MEASURED"]
 
@@ -35,8 +30,8 @@ def notes(run) -> dict:
 
 #: The options of the force step with each EquivariantLinear path (the zonal scatter
 #: on the reference: only the linear changes).
-STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
-    path: {"linear": path, "zonal": "reference", "stack": "linears", "memory": "plain"}
+STEP_OPTIONS = {
+    path: {"linear": path, "zonal": "reference", **BEFORE_CH6}
     for path in PATHS_MEASURED
 }
 

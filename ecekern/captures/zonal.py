@@ -6,18 +6,13 @@ Parts (``parts``, comma-separated):
   reference and the fused scatter (the linear on the einsum: only the scatter
   changes);
 * ``ncu`` -> ncu_fused.csv: the gather and the forward at the library's launch.
-
-The launch sweep (launch_sweep.csv) and the sweep of the scatter over E, L and C
-(scatter_sweep.csv) are retired to ``book/history`` (``02_linear/launch_sweeps.md``,
-``05_zonal/scatter_sweep_capture.md``); their last runs stay stored and the chapter
-reads them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import ncu_part, option_steps, profile_table
+from .common import BEFORE_CH6, ncu_part, option_steps, profile_table
 
 __all__ = ["PARTS", "launch_label", "random_scatter"]
 
@@ -54,11 +49,10 @@ def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
 
 #: The options of the steps: the reference scatter against the fused op, the linear
 #: on the einsum (only the scatter changes).
-STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
-    scatter: {"linear": "einsum", "zonal": scatter, "stack": "linears",
-              "memory": "plain"}
+STEP_OPTIONS = {
+    scatter: {"linear": "einsum", "zonal": scatter, **BEFORE_CH6}
     for scatter in ("reference", "fused")
-}  # fmt: skip
+}
 
 
 def _train(model, pos, numbers, graph):
