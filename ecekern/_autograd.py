@@ -121,9 +121,17 @@ def engine_uses(node) -> bool:
 
 def torch_grads(fn, inputs, needs, grads):
     """The gradients of ``fn(*inputs)`` against ``grads``, differentiable (a
-    backward's second-derivative formula in PyTorch); None where not needed."""
-    want = [t for t, need in zip(inputs, needs) if need and t is not None]
+    backward's second-derivative formula in PyTorch); None where not needed.
+
+    Partial derivatives: ``fn`` runs on aliases of the inputs (``view_as``), so an
+    input computed from another (the unrotation's y from the rotation of the same
+    frame tiles P) adds no path through its own history to the other's gradient;
+    the engine adds that path once, through the other Function's backward. The
+    aliases stay differentiable in the inputs (the second derivative)."""
     with torch.enable_grad():
+        inputs = [t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad
+                  else t for t in inputs]  # fmt: skip
+        want = [t for t, need in zip(inputs, needs) if need and t is not None]
         out = fn(*inputs)
         out = out if isinstance(out, tuple) else (out,)
         got = torch.autograd.grad(out, want, grads, create_graph=True,

@@ -69,6 +69,9 @@ class ECECalculator(Calculator):
             again only when a step exceeds it. Same energies and forces as without
             (to rounding); on a device without CUDA graphs the same padded step
             runs eagerly, after a :class:`~ecekern.options.FallbackWarning`.
+            Default (None): replayed on CUDA for an ``ECEModel`` (the eager step is
+            host-bound there at small sizes), eager elsewhere and for a
+            ``torch.compile``d model; ``False`` asks for the eager step.
         **kwargs: passed to ASE's ``Calculator``
             (``label``, ``directory``, ...).
 
@@ -104,7 +107,7 @@ class ECECalculator(Calculator):
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
     default_parameters: dict = {}
 
-    def __init__(self, model, device=None, dtype=None, graph_step=False, **kwargs):
+    def __init__(self, model, device=None, dtype=None, graph_step=None, **kwargs):
         """See the class docstring: ``model``, ``device``, ``dtype``, ``graph_step``
         and ASE's ``**kwargs``."""
         module = unwrap(model)  # an ECEModel, or torch.compile of one
@@ -128,8 +131,11 @@ class ECECalculator(Calculator):
                 f"device={str(device)!r} holds no data (a meta tensor has a shape "
                 "and no values): give a device that computes, e.g. 'cpu' or 'cuda'"
             )
-        if not isinstance(graph_step, bool):  # every check before the model changes
-            raise TypeError(f"graph_step must be a bool, got {graph_step!r}")
+        if graph_step is not None and not isinstance(graph_step, bool):
+            # every check before the model changes
+            raise TypeError(f"graph_step must be a bool or None, got {graph_step!r}")
+        if graph_step is None:
+            graph_step = device.type == "cuda" and module is model
         super().__init__(**kwargs)
         if dtype != model_dtype:  # only reachable with an explicit dtype
             module.to(dtype=dtype)

@@ -17,12 +17,14 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import checkpoint, cohorts, edge_frame, reference, so3, zonal
+from . import checkpoint, cohorts, edge_frame, options, reference, so3, zonal
 from .config import ECEConfig
 from .graph import Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
 from .plan import StepPlan, stack_precision
 from .plan import plan_for as _plan_for
+from .step import geometry as step_geometry
+from .step import radial as step_radial
 
 __all__ = ["ECEConfig", "ECEModel", "energy_and_forces", "force_step", "prepare_inputs"]
 __all__ += ["unwrap"]
@@ -289,25 +291,47 @@ class ECEModel(checkpoint.Persistent, nn.Module):
         L, M, C, k = cfg.lmax, cfg.M, cfg.channels, cfg.scale
         N = positions.shape[0]
         species = self.species_index(numbers)
-        with record_function("ece::geometry"):
-            # padding edges (chapter 4) sit at twice the cutoff: exactly zero there
-            r = edge_vectors(positions, graph, pad_length=2.0 * cfg.cutoff)
-            d = torch.linalg.vector_norm(r, dim=-1)
-            rbf = reference.radial_basis(d, cfg.n_rbf, cfg.cutoff)
-            env = reference.envelope(d, cfg.cutoff)  # (E,), u(d_e)
-            radial = self.radial(rbf) * env[:, None]
-            R0, rho = radial.split([L * C, cfg.n_interactions * cfg.F], dim=-1)
-        with record_function("ece::edge_frames"):
-            D = so3.edge_frames(L, r, gauge)  # (E, S, S)
-            # chapter 3: D packed once for every edge-frame op of the step (or None:
-            # the reference's stages)
-            frames = None
-            if plan.edge_frame != "reference":
-                frames = edge_frame.frames_for(
-                    D, M, graph.src, graph.dst, N, graph.row_ptr, plan.edge_frame
+        # padding edges (chapter 4) sit at twice the cutoff: exactly zero there
+        pad = 2.0 * cfg.cutoff
+        fused_geometry = plan.geometry == "fused"
+        if fused_geometry and gauge is not None:
+            options.fallback("geometry [fused]", "a gauge rotation of the frames "
+                             "(tests)", "the reference composition")  # fmt: skip
+            fused_geometry = False
+        D = None
+        if fused_geometry:  # chapter 7: D never formed, its packed tiles written
+            with record_function("ece::geometry"):
+                order = step_geometry.src_order(graph)
+                P, Z, d, env = step_geometry.geometry(positions, graph, L, M, pad,
+                                                      order)  # fmt: skip
+                frames = edge_frame.Frames.from_packed(
+                    P, M, graph.src, graph.dst, N, graph.row_ptr, order
                 )
+        else:
+            with record_function("ece::geometry"):
+                r = edge_vectors(positions, graph, pad_length=pad)
+                d = torch.linalg.vector_norm(r, dim=-1)
+                env = reference.envelope(d, cfg.cutoff)  # (E,), u(d_e)
+            with record_function("ece::edge_frames"):
+                D = so3.edge_frames(L, r, gauge)  # (E, S, S)
+                Z = reference.zonal_rows(D)
+                # chapter 3: D packed once for every edge-frame op of the step (or
+                # None: the reference's stages)
+                frames = None
+                if plan.edge_frame != "reference":
+                    frames = edge_frame.frames_for(
+                        D, M, graph.src, graph.dst, N, graph.row_ptr, plan.edge_frame
+                    )
+        with record_function("ece::radial"):
+            if plan.radial == "fused":  # chapter 7
+                weights = [(lin.weight, lin.bias) for lin in self.radial[::2]]
+                radial = step_radial.radial(d, weights, cfg.cutoff, cfg.n_rbf,
+                                            plan.radial_precision)  # fmt: skip
+            else:
+                rbf = reference.radial_basis(d, cfg.n_rbf, cfg.cutoff)
+                radial = self.radial(rbf) * env[:, None]
+            R0, rho = radial.split([L * C, cfg.n_interactions * cfg.F], dim=-1)
         with record_function("ece::gie"):
-            Z = reference.zonal_rows(D)
             args = (Z, R0.reshape(-1, L, C), graph.dst, graph.row_ptr, k)
             # the graph's CSR is checked (check_graph): no host syncs here
             if plan.zonal == "fused":

@@ -1,13 +1,14 @@
 """Which implementation each stage may use, and loud fallbacks.
 
 One typed, frozen object, :class:`Options`, holds the requests: one field per stage
-(``linear``, ``zonal``, ``edge_frame``, ``stack``, ``memory``), one ``precision``
-axis for the mixing stack's products, and ``reference``, the one switch to the
-einsum reference everywhere. Every field's default is ``"auto"`` (the measured
-choice: every validated fast path on CUDA, the reference on the CPU). The options do
-not choose kernels themselves: the step plan (:func:`ecekern.plan.plan_for`) reads
-them once per (device, dtype, TF32, shapes, options), resolves ``"auto"``, checks
-what can serve, and hands each op its implementation as an argument.
+(``linear``, ``zonal``, ``edge_frame``, ``stack``, ``memory``, ``geometry``,
+``radial``), one ``precision`` axis for the mixing stack's products, and
+``reference``, the one switch to the einsum reference everywhere. Every field's
+default is ``"auto"`` (the measured choice: every validated fast path on CUDA, the
+reference on the CPU). The options do not choose kernels themselves: the step
+plan (:func:`ecekern.plan.plan_for`) reads them once per (device, dtype, TF32,
+shapes, options), resolves ``"auto"``, checks what can serve, and hands each op its
+implementation as an argument.
 
 The options in force come from three layers, the later winning:
 
@@ -67,6 +68,8 @@ CHOICES = {
     "edge_frame": ("auto", "reference", "table", "packed"),
     "stack": ("auto", "linears", "layers", "fused"),
     "memory": ("auto", "plain", "keep", "recompute"),
+    "geometry": ("auto", "reference", "fused"),
+    "radial": ("auto", "reference", "fused"),
 }
 
 
@@ -106,6 +109,13 @@ class Options:
             starts); ``"auto"``: keep on CUDA or with kernels, plain elsewhere.
         cohort_edges: edges a cohort (a positive int), or ``"auto"``
             (:data:`ecekern.cohorts.COHORT_EDGES`).
+        geometry: edge vectors, lengths, envelope and the packed frame tiles
+            (chapter 7): ``"reference"`` (PyTorch, D formed) or ``"fused"`` (one
+            kernel per edge tile, D never formed; needs ``edge_frame`` packed);
+            ``"auto"``: fused where the packed edge-frame kernels run.
+        radial: the radial basis and MLP (chapter 7): ``"reference"`` or
+            ``"fused"`` (one kernel per edge tile, in the stack's precision where
+            the kernel has it); ``"auto"``: fused on CUDA.
     """
 
     reference: bool = False
@@ -116,6 +126,8 @@ class Options:
     stack: Literal["auto", "linears", "layers", "fused"] = "auto"
     memory: Literal["auto", "plain", "keep", "recompute"] = "auto"
     cohort_edges: int | Literal["auto"] = "auto"
+    geometry: Literal["auto", "reference", "fused"] = "auto"
+    radial: Literal["auto", "reference", "fused"] = "auto"
 
     def __post_init__(self):
         if not isinstance(self.reference, bool):

@@ -12,6 +12,8 @@ says what runs::
 
     >>> ecekern.plan_for(model, "cuda", torch.float32)
     StepPlan(cuda sm_90, float32, TF32 off)
+      geometry    fused
+      radial      fused
       zonal       fused
       edge_frame  packed
       stack       layers, 3xtf32
@@ -44,6 +46,8 @@ import torch
 from . import cohorts, edge_frame, options, zonal
 from ._triton import why_not_triton
 from .linear.triton_modes import MAX_N_ANG
+from .step import geometry as step_geometry
+from .step import radial as step_radial
 
 __all__ = ["Shapes", "StepPlan", "plan_for", "resolve"]
 
@@ -68,6 +72,9 @@ class Shapes(NamedTuple):
     mmax: int
     channels: int
     n_gated: int
+    #: the radial MLP's widths ``(n_rbf, H1, H2, O)`` (empty: the fused kernel's
+    #: width checks are skipped)
+    radial: tuple = ()
 
     @property
     def n_ang(self) -> int:
@@ -97,6 +104,10 @@ class StepPlan:
         cohort_edges: edges a cohort (with ``memory`` keep or recompute).
         linear: the EquivariantLinears' path (``"auto"``, ``"einsum"``,
             ``"dense"``, ``"triton"``), where the stack runs them.
+        geometry: ``"reference"`` or ``"fused"`` (chapter 7; fused writes the
+            packed frame tiles, so only beside ``edge_frame`` packed).
+        radial: ``"reference"`` or ``"fused"`` (chapter 7), the kernel in
+            :attr:`radial_precision`.
         fallbacks: ``(stage, reason, what runs instead)`` for each fast path that
             could not serve.
         notes: requests that change nothing here.
@@ -114,6 +125,8 @@ class StepPlan:
     memory: str
     cohort_edges: int
     linear: str
+    geometry: str = "reference"
+    radial: str = "reference"
     fallbacks: tuple = ()
     notes: tuple = ()
     options: options.Options = options.Options()
@@ -127,6 +140,12 @@ class StepPlan:
     def kernels(self) -> str | None:
         """``"layers"`` or ``"fused"`` where the stack runs kernels, else None."""
         return self.stack if self.stack in KERNEL_STACKS else None
+
+    @property
+    def radial_precision(self) -> str:
+        """The fused radial kernel's products: the stack's precision (float64 and
+        strict fp32: ``"fp32"``; bf16, which the kernel lacks: ``"tf32"``)."""
+        return {"fp64": "fp32", "bf16": "tf32"}.get(self.precision, self.precision)
 
     @property
     def planes(self) -> bool:
@@ -150,6 +169,8 @@ class StepPlan:
         if self.cohorts:
             memory += f", cohorts of {self.cohort_edges} edges"
         rows = [
+            ("geometry", self.geometry),
+            ("radial", self.radial),
             ("zonal", self.zonal),
             ("edge_frame", self.edge_frame),
             ("stack", f"{self.stack}, {self.precision}"),
@@ -165,7 +186,16 @@ class StepPlan:
         """One line, for captures and logs: ``stack=layers,precision=3xtf32,...``."""
         return ",".join(
             f"{k}={getattr(self, k)}"
-            for k in ("zonal", "edge_frame", "stack", "precision", "memory", "linear")
+            for k in (
+                "geometry",
+                "radial",
+                "zonal",
+                "edge_frame",
+                "stack",
+                "precision",
+                "memory",
+                "linear",
+            )  # fmt: skip
         )
 
 
@@ -191,7 +221,7 @@ def resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
     """The plan for plain values (:func:`~ecekern.plan_for` gathers them): a device
     type and capability, a dtype, the TF32 switch, :class:`~ecekern.plan.Shapes`,
     :class:`~ecekern.options.Options`, and whether ``torch.compile`` is tracing the
-    step (then the stack is the linears, without cohorts: :data:`COMPILED_STACK`).
+    step (then the stack is the linears, without cohorts: ``COMPILED_STACK``).
     Cached; each new plan is logged once (logger ``ecekern.plan``, level INFO)."""
     plan = _resolve(device_type, capability, dtype, tf32, shapes, opts, compiling)
     log.info("ecekern step plan:\n%r", plan)
@@ -310,9 +340,33 @@ def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
             if stack == "linears":
                 fall.append(("equivariant_linear[triton]", why, "the reference path"))
             linear = "einsum"
+
+    # the geometry and the radial stage (chapter 7)
+    geo = opts.geometry
+    if geo == "auto":
+        geo = "fused" if cuda and ef == "packed" else "reference"
+    if geo == "fused":
+        why = step_geometry.why_not(device_type, L, shapes.mmax, dtype)
+        if why is None and ef != "packed":
+            why = (f"edge_frame={ef!r} reads D, which the fused geometry never forms "
+                   "(it writes the packed tiles)")  # fmt: skip
+        if why:
+            fall.append(("geometry [fused]", why, "the reference composition"))
+            geo = "reference"
+    rad = opts.radial
+    if rad == "auto":
+        rad = "fused" if cuda else "reference"
+    if rad == "fused":
+        rprec = {"fp64": "fp32", "bf16": "tf32"}.get(precision, precision)
+        why = step_radial.why_not(device_type, dtype, shapes.radial or (8, 16, 16, 16),
+                                  rprec)  # fmt: skip
+        if why:
+            fall.append(("radial [fused]", why, "the reference composition"))
+            rad = "reference"
     return StepPlan(precision=precision, zonal=z, edge_frame=ef, stack=stack,
                     memory=memory, cohort_edges=cohort_edges, linear=linear,
-                    fallbacks=tuple(fall), notes=tuple(notes), **base)  # fmt: skip
+                    geometry=geo, radial=rad, fallbacks=tuple(fall),
+                    notes=tuple(notes), **base)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)
@@ -324,7 +378,9 @@ def _capability(device: torch.device) -> tuple | None:
 
 def shapes_of(config) -> Shapes:
     """The :class:`Shapes` of an :class:`~ecekern.ECEConfig`."""
-    return Shapes(config.lmax, config.M, config.channels, config.n_gated)
+    n_radial = config.lmax * config.channels + config.n_interactions * config.F
+    widths = (config.n_rbf, config.radial_hidden, config.radial_hidden, n_radial)
+    return Shapes(config.lmax, config.M, config.channels, config.n_gated, widths)
 
 
 def plan_for(model, device=None, dtype=None, opts=None) -> StepPlan:

@@ -304,4 +304,4 @@ def test_help_shows_the_calculator_arguments():
     page = pydoc.render_doc(ECECalculator, renderer=pydoc.plaintext)
     for name in ("model:", "device:", "dtype:", "graph_step:", "torch.compile"):
         assert name in page
-    assert "ECECalculator(model, device=None, dtype=None, graph_step=False" in page
+    assert "ECECalculator(model, device=None, dtype=None, graph_step=None" in page

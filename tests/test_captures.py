@@ -24,7 +24,12 @@ def _rows(path):
 
 
 def test_committed_captures_load_and_have_provenance():
+    """Every chapter in the book has stored captures, and every stored capture
+    loads with its provenance."""
     for chapter in runner.CHAPTERS:
+        in_book = (ROOT.parent / f"{chapter}.ipynb").is_file()
+        if not in_book and not (ROOT / chapter).is_dir():
+            continue  # a chapter whose notebook and captures are still to come
         cap = captures.load(chapter)
         prov = cap.manifest["provenance"]
         assert prov["device"] and prov["commit"] and prov["date"]
@@ -189,7 +194,7 @@ def test_every_chapter_is_a_module_of_parts():
     GPU-only parts among them and a default that parses; a chapter in the book has
     its captures."""
     slugs = {"methodology", "01_reference", "02_linear", "03_edge_frame",
-             "04_graph_step", "05_zonal", "06_cohorts"}  # fmt: skip
+             "04_graph_step", "05_zonal", "06_cohorts", "07_step"}  # fmt: skip
     assert set(runner.CHAPTERS) == slugs
     for slug in runner.CHAPTERS:
         mod = runner.chapter_module(slug)
@@ -332,9 +337,10 @@ def test_stage_times_attribute_the_backward_to_the_stages(float64_default):
             force_step(model, *inputs)
     events = prof.events()
     times = stage_times(events, cpu_us)
-    assert list(times)[:3] == ["geometry", "edge_frames", "gie"]
+    assert list(times)[:4] == ["geometry", "edge_frames", "radial", "gie"]
     assert list(times)[-1] == OUTSIDE
-    for stage in ("geometry", "gie", "rotate_and_select", "mixing_stack", "aggregate"):
+    for stage in ("geometry", "radial", "gie", "rotate_and_select", "mixing_stack",
+                  "aggregate"):  # fmt: skip
         fwd, bwd = times[stage]
         assert fwd > 0 and bwd > 0, (stage, fwd, bwd)
     assert times["readout"][0] > 0

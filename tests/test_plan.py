@@ -196,7 +196,39 @@ def test_the_repr_names_every_stage():
     for word in ("cuda sm_90", "float32", "zonal", "edge_frame", "stack", "memory",
                  "recompute, cohorts of 1000 edges", "fallbacks"):  # fmt: skip
         assert word in text
-    assert resolve("cpu").describe().startswith("zonal=reference,edge_frame=")
+    assert (
+        resolve("cpu")
+        .describe()
+        .startswith("geometry=reference,radial=reference,zonal=reference,edge_frame=")
+    )
+
+
+def test_the_geometry_and_radial_stages():
+    """Chapter 7's stages: fused on CUDA (the radial kernel in the stack's
+    precision), the reference on the CPU; the fused geometry only beside the packed
+    edge-frame kernels (it never forms D), and a degree its tiles do not cover falls
+    back loudly."""
+    cuda = resolve("cuda")
+    assert (cuda.geometry, cuda.radial, cuda.radial_precision) == (
+        "fused", "fused", "3xtf32")  # fmt: skip
+    assert resolve("cuda", precision="bf16", stack="layers").radial_precision == "tf32"
+    assert resolve("cuda", dtype=torch.float64).radial_precision == "fp32"
+    cpu = resolve("cpu")
+    assert (cpu.geometry, cpu.radial, cpu.fallbacks) == ("reference", "reference", ())
+    table = resolve("cuda", edge_frame="table")
+    assert table.geometry == "reference" and table.fallbacks == ()
+    asked = resolve("cuda", edge_frame="table", geometry="fused")
+    ((stage, why, to),) = asked.fallbacks
+    assert asked.geometry == "reference" and stage == "geometry [fused]"
+    assert "edge_frame='table'" in why and "reference" in to
+    l4 = resolve("cuda", shapes=plan.Shapes(4, 2, 4, 1))
+    assert l4.geometry == "reference"
+    assert any(s == "geometry [fused]" and "tiles" in w for s, w, _ in l4.fallbacks)
+    both = resolve("cuda", reference=True)
+    assert (both.geometry, both.radial) == ("reference", "reference")
+    wide = resolve("cuda", shapes=SHAPES._replace(radial=(8, 256, 64, 448)))
+    assert wide.radial == "reference"
+    assert any(s == "radial [fused]" for s, _, _ in wide.fallbacks)
 
 
 def test_two_threads_with_different_options_get_their_own_plans_and_results():

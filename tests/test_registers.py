@@ -112,3 +112,15 @@ def test_linear_tc_builds_fit_the_h200_and_bf16_does_not_spill():
             assert r["spill"] == 0 and r["stack_bytes"] == 0, r
     by = {(r["dtype"], r["K"]): r for r in rows}
     assert by[("bf16", 192)]["consumers"] == 2 and by[("bf16", 256)]["consumers"] == 1
+
+
+def test_the_radial_kernels_fit_sm90_at_the_books_widths():
+    """Chapter 7's radial kernels at n_rbf = 8, H = 64, O = 448 in every dtype and
+    precision: shared memory within sm_90's 227 KB per program (Triton's default
+    three pipeline stages needed 256 KB for the 3xTF32 backward, which then failed
+    to launch). The launch is untuned: the backward spills (0.4-1.2 KB a thread)."""
+    rows = _offline_sm90("--radial")
+    assert len(rows) == 8
+    for r in rows:
+        assert r["shared_bytes"] <= 227 * 1024, r
+        assert 0 < r["registers"] <= 255, r

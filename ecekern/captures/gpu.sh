@@ -7,7 +7,8 @@
 # methodology 01_reference 02_linear 05_zonal. Environment: PARTS (the chapters'
 # --parts, e.g. PARTS=progress for chapter 1's progress table), TEST_TIMEOUT
 # (seconds for the tests, 540: the whole suite, slow cases included, took over 330 s
-# on the H200 at -n 8), TEST_WORKERS (8), RUN_TESTS=0 to skip them.
+# on the H200 at -n 8), TEST_WORKERS (8), RUN_TESTS=0 to skip them, TESTS (the
+# pytest paths, default tests), CAPTURES=0 to skip the captures.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .site
@@ -37,9 +38,10 @@ if [ "${RUN_TESTS:-1}" != 0 ]; then
   # -v with xdist names each test as it ends: a failure is named even when the
   # timeout cuts the run short of pytest's summary
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -n "${TEST_WORKERS:-8}" -rs \
-    -p no:cacheprovider -p no:warnings --durations=10 tests 2>&1 \
+    -p no:cacheprovider -p no:warnings --durations=10 ${TESTS:-tests} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
+if [ "${CAPTURES:-1}" = 0 ]; then exit 0; fi
 # shellcheck disable=SC2086
 python3 -m ecekern.captures $chapters --out /tmp/caps $quick "${parts[@]}" 2>&1 \
   | tee "$OUT/captures.log"

@@ -50,6 +50,7 @@ CHAPTERS = {
     "04_graph_step": "graph_step",
     "05_zonal": "zonal",
     "06_cohorts": "cohorts",
+    "07_step": "step",
 }
 
 

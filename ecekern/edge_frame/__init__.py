@@ -147,7 +147,40 @@ class Frames:
         self.src, self.dst = src.contiguous(), dst.contiguous()
         self.d = pack(D, mmax) if self.packed else D.contiguous()
         self.tab = tables(L, mmax, D.device)
-        nodes = torch.arange(self.n_nodes + 1, device=D.device)
+        self._orders(row_ptr, None)
+
+    @classmethod
+    def from_packed(cls, P, mmax: int, src, dst, n_nodes: int, row_ptr,
+                    src_order=None,
+                    launch: EdgeFrameLaunch | None = None) -> Frames:  # fmt: skip
+        """Frames of the packed variant from tiles ``P (E, S, 2, mmax + 1)`` made
+        elsewhere (chapter 7's fused geometry writes them with D never formed),
+        for the model's graph (dst-sorted with its CSR pointer ``row_ptr``; not
+        validated). ``src_order``: ``(ptr_src, perm_src)``, the edges in source
+        order (a stable sort), when the caller has it."""
+        reference._float("P", P)
+        S = P.shape[1] if P.ndim == 4 else 0
+        L = math.isqrt(S) - 1
+        if P.ndim != 4 or S < 4 or (L + 1) ** 2 != S or P.shape[2:] != (2, mmax + 1):
+            raise ValueError(
+                f"P must have shape (E, (L+1)^2, 2, mmax + 1) with L >= 1, got "
+                f"{tuple(P.shape)} (mmax = {mmax})"
+            )
+        like = P.new_empty((1, 1, 1)).expand(P.shape[0], S, S)  # D's shape, no data
+        _check_graph(like, mmax, src, dst, n_nodes, row_ptr, False)
+        self = cls.__new__(cls)
+        self.L, self.M, self.n_nodes = L, mmax, int(n_nodes)
+        self.packed, self.variant = True, "packed"
+        self.launch = LAUNCH if launch is None else launch
+        self.src, self.dst = src.contiguous(), dst.contiguous()
+        self.d = P.contiguous()
+        self.tab = tables(L, mmax, P.device)
+        self._orders(row_ptr, src_order)
+        return self
+
+    def _orders(self, row_ptr, src_order) -> None:
+        """The two CSR orders (``self.csr``) and ``self.row_ptr``."""
+        nodes = torch.arange(self.n_nodes + 1, device=self.src.device)
         # clamped: every edge lies in one segment of each side, so every output row
         # is written even for indices that were not validated (wrong, never unset)
         top = max(self.n_nodes - 1, 0)
@@ -158,9 +191,10 @@ class Frames:
         else:
             perm_dst, ptr_dst = None, row_ptr.contiguous()
             self.row_ptr = ptr_dst
-        order = torch.sort(self.src.clamp(0, top), stable=True)
-        self.csr = (ptr_dst, perm_dst, torch.searchsorted(order.values, nodes),
-                    order.indices)  # fmt: skip
+        if src_order is None:
+            order = torch.sort(self.src.clamp(0, top), stable=True)
+            src_order = (torch.searchsorted(order.values, nodes), order.indices)
+        self.csr = (ptr_dst, perm_dst, *src_order)
 
     def rotate_and_select(self, h, rho=None, planes: bool = False):
         """``(x_cos, x_sin)`` as :func:`ecekern.reference.rotate_and_select`, each

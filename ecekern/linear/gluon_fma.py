@@ -195,6 +195,7 @@ def _eqlin_fwd_fma_kernel(
     acc1 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
     acc2 = gl.zeros([BB, BO], gl.float32, layout=acc_l)
 
+    # [book: fma-loop]
     # step 0 into buffer 0
     xr = _load_x(x_ptrs, x_mask, x_k, 0, K, EVEN_K)
     w0, w1, w2 = _load_w(w_ptr, 0, o0, K, O, stride_wm, stride_wk, BK, BO, num_warps)
@@ -222,6 +223,7 @@ def _eqlin_fwd_fma_kernel(
             acc2 = fma_dot(a, b, acc2)
         _stage(xs, ws, nx, xr, w0, w1, w2, BB)
         gl.thread_barrier()  # buffer s is free, buffer nx is written
+    # [book: end fma-loop]
 
     store_modes(
         acc0, acc1, acc2, y_ptr, b_ptr, rb * BB, o0, B, O, stride_yb, HAS_BIAS, BB,

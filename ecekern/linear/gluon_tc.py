@@ -224,6 +224,7 @@ def _consume(
     )
     zero = gl.zeros([BB, BX], gl.float32, layout=p_l)
     j = 0  # this consumer's K steps so far
+    # [book: tc-consumer]
     for i in range(c, n_mine, C):
         # the accumulators start at the bias (m = 0) and zero: y's rounding is then
         # the epilogue's last step, and the epilogue can move bf16. (The bias comes
@@ -264,6 +265,7 @@ def _consume(
                 p3, ws, kk, 3, acc0, acc1, acc2, a_l, BB, NKB, G
             )
             j += 1
+        # [book: end tc-consumer]
         # the row block's y: the modes joined, stored
         acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
         store_modes(  # the bias is in acc0: no b_ptr (y_ptr stands in)

@@ -168,6 +168,7 @@ def _fwd_product(u_s, m, cb, g0, zero, R, W, more, SEQ: gl.constexpr,
     :func:`.ring._load_w` has them; ``P = (X3, FMA, BK, STG)``, the products). The
     accumulators, every product done; the forward's strict fp32 sums from zero in
     one chunk."""
+    # [book: fused-product]
     X3, FMA, BK, STG = P
     KS: gl.constexpr = 64 // BK  # K steps a box of u
     a0, a1, a2 = zero, zero, zero
@@ -183,6 +184,7 @@ def _fwd_product(u_s, m, cb, g0, zero, R, W, more, SEQ: gl.constexpr,
                                         b_l)  # fmt: skip
         a0, a1, a2 = _fold(a0, a1, a2, c0, c1, c2, hi, lo, NBOX, X3, False)
     return _retire(a0, a1, a2, hi, lo, NBOX, X3, 0, FMA)
+    # [/book: fused-product]
 
 
 @_jit

@@ -165,12 +165,14 @@ def _step(a, lo, ring, st, c0, c1, c2, NB: gl.constexpr, X3: gl.constexpr,
     elif ring.dtype == gl.bfloat16:
         hi = a.to(gl.bfloat16)
         c0, c1, c2 = _mma(hi, ring, 3 * st, c0, c1, c2, NB)
+    # [book: fused-split]
     elif X3:
         hi = _round_tf32(a)
         lo = a - hi
         c0, c1, c2 = _mma(lo, ring, 6 * st, c0, c1, c2, NB)
         c0, c1, c2 = _mma(hi, ring, 6 * st + 3, c0, c1, c2, NB)
         c0, c1, c2 = _mma(hi, ring, 6 * st, c0, c1, c2, NB)
+    # [/book: fused-split]
     else:
         hi = a
         c0, c1, c2 = _mma(a, ring, 3 * st, c0, c1, c2, NB)
@@ -329,6 +331,7 @@ def _kstep(a, hi, lo, c, g, c0, c1, c2, R, more, W, NBOX: gl.constexpr,
     issue the products with NBOX of them (:func:`_step`), retire the step before
     (its operands ``hi``, ``lo``), and load chunk ``c + STG - 1`` into the stage
     that frees (:func:`_next_w`). The accumulators and this step's operands."""
+    # [book: fused-kstep]
     ring, ready = R
     mbarrier.wait(ready.index(g % STG), (g // STG) & 1)
     c0, c1, c2, n_hi, n_lo = _step(a, lo, ring, g % STG, c0, c1, c2, NBOX, X3, FMA, BK,
@@ -336,6 +339,7 @@ def _kstep(a, hi, lo, c, g, c0, c1, c2, R, more, W, NBOX: gl.constexpr,
     c0, c1, c2 = _retire(c0, c1, c2, hi, lo, NBOX, X3, 1, FMA)
     _next_w(c, SEQ, W, R, g, more, STG, BK, X3)
     return c0, c1, c2, n_hi, n_lo
+    # [/book: fused-kstep]
 
 
 # --------------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
     """``acc[e, n] = sum_i a[e, i] A[n0 + n, i]``, rows ``a + row[e] KIN``, with
     ``A[o, i]`` at ``w + o SWO + i`` (W, or W^T made contiguous). In ``"tf32x3"``
     A is its TF32 part, and ``w + SLO`` the remainder (``split_tf32``)."""
+    # [book: layer-mm]
     kk = tl.arange(0, BK)
     n = n0 + tl.arange(0, BN)
     acc = tl.zeros((BE, BN), DT)
@@ -104,6 +105,7 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
         else:
             acc = tl.dot(x, wt, acc, input_precision=PREC, out_dtype=DT)
     return acc
+    # [/book: layer-mm]
 
 
 @triton.jit
@@ -134,6 +136,7 @@ def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
     sa_m, sa_c = tl.cast(sa_m, tl.int64), tl.cast(sa_c, tl.int64)  # z: all E rows
     sz_m, sz_c = tl.cast(sz_m, tl.int64), tl.cast(sz_c, tl.int64)
     so_m, so_c = tl.cast(so_m, tl.int64), tl.cast(so_c, tl.int64)
+    # [book: layer-fwd]
     e, n0, n, ok, okk = _tile(E, NOUT, BE, BN)
     s = tl.zeros((BE, BN), DT)
     for m in tl.static_range(NA):  # m = 0 first: its cos row makes the gate
@@ -155,6 +158,7 @@ def _layer_fwd_kernel(a, sa_m, sa_c, w, b, z, sz_m, sz_c, o, so_m, so_c, E,
                         acc = acc * s
                     acc += tl.load(src + at, mask=okk, other=0.0)  # residual, F_in = F
                 tl.store(o + m * so_m + c * so_c + at, acc, mask=okk)
+    # [/book: layer-fwd]
 
 
 @triton.jit(do_not_specialize=["E"])

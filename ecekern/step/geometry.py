@@ -6,7 +6,7 @@ Formula (the reference composition, :func:`geometry_torch`), per edge e::
     r_e = x[src_e] + shift_e @ cell - x[dst_e]        (a padding edge: (pad, 0, 0))
     d_e = |r_e|,  u_e = r_e / d_e,  env_e = u(d_e / r_c)         (DimeNet, p = 6)
     R_e = F_s (I + K + K^2 / (1 + s u_z)),  s = sign(u_z)   (so3.edge_rotations)
-    P[e, s, t, m] = D_l(R_e)[row_t(l(s), m), s]                  (edge_frame.pack)
+    P[e, s, t, m] = D_l(R_e)[row_t(l(s), m), s]    (edge_frame.pack; :func:`pack`)
     Z[e, s - 1] = P[e, s, 0, 0]                                   (the zonal rows)
 
 ``D_l(R)`` is a polynomial in R's entries, written out per (L, M) by
@@ -38,18 +38,19 @@ so, :func:`why_not`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import reference, so3
 from .._autograd import library_op, torch_grads, wrap_triton
 from .._triton import tl, triton, why_not_triton
-from ..edge_frame import pack
 from ..graph import Graph, edge_vectors
 from . import wigner
 from .wigner_l2m1 import adjoint_L2M1, packed_L2M1
 from .wigner_l2m2 import adjoint_L2M2, packed_L2M2
 
-__all__ = ["geometry", "geometry_torch", "why_not"]
+__all__ = ["geometry", "geometry_torch", "pack", "src_order", "why_not"]
 
 #: The (L, M) the generated tiles cover (``wigner.packed_L{L}M{M}``).
 VARIANTS = {(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)}
@@ -356,6 +357,20 @@ class _GeometryFn(torch.autograd.Function):
 # --------------------------------------------------------------------------------------
 # public functions
 # --------------------------------------------------------------------------------------
+def pack(D: torch.Tensor, M: int) -> torch.Tensor:
+    """``P[e, s, t, m] = D[e, row_t(l(s), m), s]``, ``(E, S, S) -> (E, S, 2, M + 1)``:
+    the packed layout the edge-frame kernels read (chapter 3), zero where a slot
+    has no row (``so3.LMTables.cos_index``, ``sin_index``). One differentiable
+    gather."""
+    E, S = D.shape[0], D.shape[-1]
+    t = so3.lm_tables(math.isqrt(S) - 1, M)
+    rows = torch.stack([t.cos_index[t.l_of_s], t.sin_index[t.l_of_s]], 1)
+    cols = torch.arange(S)[:, None, None]
+    flat = (cols * (S + 1) + rows).reshape(-1).to(D.device)  # into D^T, a zero row
+    Dt = torch.nn.functional.pad(D.transpose(1, 2), (0, 1))  # (E, S, S + 1)
+    return Dt.reshape(E, S * (S + 1))[:, flat].reshape(E, S, 2, M + 1)
+
+
 def geometry_torch(positions, graph: Graph, L: int, M: int, pad_length: float):
     """The reference composition, differentiable PyTorch: ``(P, Z, d, env)``."""
     r = edge_vectors(positions, graph, pad_length=pad_length)

@@ -285,11 +285,14 @@ def _radial_bwd_d_kernel(
 @dataclass(frozen=True)
 class RadialLaunch:
     """The kernels' launch: edges per program, output columns per block of the last
-    layer, warps per program."""
+    layer, warps per program, and software-pipeline stages of the loops (1: the
+    weights come from L2 and the book's backward in 3xTF32 needs 256 KB of shared
+    memory at Triton's default of 3 stages, past sm_90's 227 KB; 48 KB at 1)."""
 
     block_e: int = 64
     block_o: int = 64
     warps: int = 4
+    stages: int = 1
 
 
 def _pad(n: int) -> int:
@@ -316,7 +319,7 @@ def _prepare(d, weights, cutoff: float, precision: str, launch: RadialLaunch):
         BLOCK_E=launch.block_e, BLOCK_O=min(_pad(launch.block_o), _pad(O)),
         P=ENVELOPE_P, PREC=prec,
         DT=tl.float64 if d.dtype == torch.float64 else tl.float32,
-        num_warps=launch.warps,
+        num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     return ws, cst, meta
 

@@ -11,6 +11,7 @@ tile that is too large into a slow kernel.
     python -m ecekern.tools.registers --linear-layouts   # chapter 2's tile layouts
     python -m ecekern.tools.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
     python -m ecekern.tools.registers --linear-tc   # the tensor-core kernel
+    python -m ecekern.tools.registers --radial      # chapter 7's radial kernels
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -27,6 +28,7 @@ import tempfile
 
 try:
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 except ImportError:  # pragma: no cover - no Triton on this platform
@@ -62,7 +64,11 @@ def resource_usage(
         ``{"registers": per thread, "stack_bytes": per thread (spills), "shared_bytes":
         per program}``.
     """
-    compiled = _compile(kernel, types, constexprs, num_warps, target)
+    return _usage(_compile(kernel, types, constexprs, num_warps, target))
+
+
+def _usage(compiled) -> dict:
+    """Registers and stack per thread (cuobjdump), shared memory per program."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as fh:
@@ -504,6 +510,43 @@ def linear_tc(
     return rows
 
 
+def radial_kernels(sizes=(8, 64, 64, 448)) -> list[dict]:
+    """Chapter 7's radial kernels at the book's widths ``(n_rbf, H1, H2, O)``, in
+    every dtype and precision, at the library's launch: registers, spills and
+    shared memory per program (sm_90 allows 227 KB)."""
+    from ..step import radial
+
+    n_rbf, H1, H2, O = sizes
+    launch = radial.RadialLaunch()
+    rows = []
+    for kernel in (radial._radial_fwd_kernel, radial._radial_bwd_d_kernel):
+        for dt, prec in (("fp32", "ieee"), ("fp32", "tf32x3"), ("fp32", "tf32"),
+                         ("fp64", "ieee")):  # fmt: skip
+            consts = dict(
+                NR=n_rbf, H1=H1, H2=H2, O=O, NR_PAD=radial._pad(n_rbf),
+                H1_PAD=radial._pad(H1), H2_PAD=radial._pad(H2),
+                BLOCK_E=launch.block_e, BLOCK_O=min(radial._pad(launch.block_o),
+                                                    radial._pad(O)),
+                P=radial.ENVELOPE_P, PREC=prec,
+                DT=tl.float64 if dt == "fp64" else tl.float32,
+            )  # fmt: skip
+            types = {n: "*" + dt for n in kernel.arg_names if n.endswith("_ptr")}
+            types |= {n: "fp32" for n in kernel.arg_names
+                      if n not in consts and n not in types and n != "E"
+                      and not n.startswith("stride")}  # fmt: skip
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature={n: types.get(n, "i32")
+                                                for n in kernel.arg_names}
+                          | {n: "constexpr" for n in consts},
+                          constexprs=consts),
+                target=GPUTarget(*H200),
+                options={"num_warps": launch.warps, "num_stages": launch.stages},
+            )  # fmt: skip
+            rows.append(dict(kernel=kernel.fn.__name__, dtype=dt, precision=prec)
+                        | _usage(compiled))  # fmt: skip
+    return rows
+
+
 def main() -> int:
     if not available():
         print("needs Triton with its NVIDIA tools (Linux wheels)")
@@ -525,6 +568,9 @@ def main() -> int:
         return 0
     if sys.argv[1:] == ["--linear-tc"]:
         print(json.dumps(linear_tc()))
+        return 0
+    if sys.argv[1:] == ["--radial"]:
+        print(json.dumps(radial_kernels()))
         return 0
     if sys.argv[1:] == ["--linear-layouts"]:
         print(json.dumps(linear_layouts()))
