@@ -134,35 +134,23 @@ def _profiles(run, arg: str) -> str:
 
 
 def _peers(run, arg: str) -> dict:
-    """The peers at the same width and degree, strict fp32: the reference under
-    ``torch.compile`` (a fresh compile per box: static shapes, as a user with one
-    system has), e3nn's and cuEquivariance's tensor-product convolutions."""
-    rows, info, out = [], {}, run.out / "peers.csv"
-    compiled_plan = schema.plan({**REFERENCE, "compile": True})
+    """peers.csv: the reference under ``torch.compile``, strict fp32, its forward too
+    (a fresh compile per box: static shapes, as a user with one system has); e3nn's
+    and cuEquivariance's convolutions are rows of the ``progress`` part."""
+    rows, info, plan = [], {}, schema.plan({**REFERENCE, "compile": True})
 
     def body(rep, model, inputs):
         try:
             with options.use(**REFERENCE):
                 compiled, compile_s = compile_model(model, inputs)
                 name = "reference + torch.compile"
-                rows.append(force_row(name, compiled, inputs, compiled_plan,
-                                      forward=True, compile_s=compile_s))  # fmt: skip
-            schema.write(rows, out)
+                rows.append(force_row(name, compiled, inputs, plan, forward=True,
+                                      compile_s=compile_s))  # fmt: skip
+            schema.write(rows, run.out / "peers.csv")
         except Exception as exc:
             info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
-        compiled = None
-        free()
-        for name, peer in peer_models(model.config, torch.float32, info, f"box {rep}"):
-            try:
-                rows.append(force_row(name, peer, inputs, forward=True))
-                schema.write(rows, out)
-            except Exception as exc:
-                info[f"{name}: box {rep}"] = f"failed: {exc!r}"[:500]
-            peer = None
-            free()
 
     for_boxes(run, body, reps=run.reps(quick=(2, 4)))
-    schema.write(rows, out)
     return info
 
 
