@@ -114,7 +114,9 @@ def _busy(fn, n: int) -> tuple[float, float]:
     ``n`` back-to-back calls: their time from the profiler over the wall time from
     the first launch to the end of the last one (:func:`~.common.profiled`)."""
     prof, wall_s = profiled(fn, n)
-    ops = [e for e in prof.events() if _on_device(e)]
+    ops = [e for e in prof.events()  # not a user annotation: it spans a region
+           if not getattr(e, "is_user_annotation", False)
+           and str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"]  # fmt: skip
     spans = sorted((e.time_range.start, e.time_range.end) for e in ops)
     busy_us, end = 0.0, -math.inf
     for a, b in spans:  # the union: nested or concurrent intervals count once
@@ -122,14 +124,6 @@ def _busy(fn, n: int) -> tuple[float, float]:
             busy_us += b - max(a, end)
             end = b
     return busy_us / (wall_s * 1e6), len(ops) / n
-
-
-def _on_device(e) -> bool:
-    """A kernel, memcpy or memset: an interval of the GPU's time (not a user
-    annotation, which spans the kernels of a labelled region)."""
-    if getattr(e, "is_user_annotation", False):
-        return False
-    return str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"
 
 
 def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from . import PROGRESS_ROWS, schema
+from . import progress_order, schema
 from .common import compile_model, for_boxes, force_row, free, profiled, step_error
 from .reference import peer_models
 from .stages import stage_times
@@ -92,15 +92,6 @@ COMPILED = {
 BUDGET_S = 330.0
 
 
-def _sort_key(r: dict):
-    label = r["system"]
-    return (
-        r["n_atoms"],
-        r["precision"] != "float32",
-        PROGRESS_ROWS.index(label) if label in PROGRESS_ROWS else len(PROGRESS_ROWS),
-    )
-
-
 class _Table:
     """progress.csv, rewritten in the table's order after every row."""
 
@@ -109,7 +100,7 @@ class _Table:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        self.rows.sort(key=_sort_key)
+        self.rows.sort(key=progress_order)
         schema.write(self.rows, self.path)
 
 

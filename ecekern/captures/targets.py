@@ -191,17 +191,13 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
                   cohort_edges=E)  # fmt: skip
 
 
-def cohorts_stack_recompute(E: int = 65_536):
-    """:func:`cohorts_stack` with ``recompute``."""
-    cohorts_stack(E, recompute=True)
-
-
+#: The programs by name; ``cohorts_stack_recompute``: :func:`cohorts_stack` with
+#: ``recompute``.
 TARGETS = {
     f.__name__: f
-    for f in (cohorts_layers, cohorts_stack, cohorts_stack_recompute, copy, gemm,
-              force_step, eqlin_triton, eqlin_dense, zonal_fused,
-              edge_frame)
-}  # fmt: skip
+    for f in (cohorts_layers, cohorts_stack, copy, gemm, force_step, eqlin_triton,
+              eqlin_dense, zonal_fused, edge_frame)
+} | {"cohorts_stack_recompute": lambda: cohorts_stack(recompute=True)}  # fmt: skip
 
 if __name__ == "__main__":
     TARGETS[sys.argv[1]]()
