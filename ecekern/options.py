@@ -196,9 +196,9 @@ def _environment(environ) -> dict:
     return changes
 
 
-#: ECEKERN_ variables read elsewhere: the captures' provenance and launches, and the
+#: ECEKERN_ variables read elsewhere: the captures' provenance and folder, and the
 #: ops' registration (ecekern._autograd).
-_OTHER_VARIABLES = ("COMMIT", "CAPTURES", "CAPTURE_LINEAR", "CAPTURE_ZONAL", "OP")
+_OTHER_VARIABLES = ("COMMIT", "CAPTURES", "OP")
 
 
 def _unknown_variables(environ) -> list[str]:

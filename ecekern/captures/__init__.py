@@ -26,6 +26,7 @@ __all__ = [
     "load",
     "markdown_table",
     "ncu_kernels",
+    "progress_order",
     "progress_rows",
 ]
 
@@ -118,6 +119,14 @@ PROGRESS_ROWS = (
 )  # fmt: skip
 
 
+def progress_order(r: dict) -> tuple:
+    """A progress.csv row's place in the table: by size, strict fp32 first, then in
+    :data:`PROGRESS_ROWS`' order (a label it lacks last)."""
+    known = r["system"] in PROGRESS_ROWS
+    i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
+    return (r["n_atoms"], r["precision"] != "float32", i)
+
+
 def _with_ratios(rows: list[dict], is_reference, is_peer) -> list[dict]:
     """Each row with ``vs_reference`` (the reference's step time over this row's, at
     the same size and precision: above 1 is faster) and ``vs_fastest_peer`` (the
@@ -141,28 +150,23 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     the table's order (:data:`PROGRESS_ROWS`) by size, then precision; rows that
     failed are left out. Each row: ``system`` (and ``chapter``, the same label),
     ``n_atoms``, ``n_edges``, ``dtype`` (the row's ``precision``), ``step_ms``
-    (``ms``), ``peak_mem_MiB`` (``peak_MiB``), ``vs_reference``,
+    (``ms``), ``peak_MiB``, ``vs_reference``,
     ``vs_fastest_peer``, ``device``, ``commit`` (from its provenance)."""
     base = Path(root) if root else capture_root()
     rows = []
-    for r in load("01_reference", base / "01_reference").csv("progress"):
+    table = load("01_reference", base / "01_reference").csv("progress")
+    for r in sorted(table, key=progress_order):
         if r.get("error") or r["ms"] in ("", None):
             continue
         prov = r["provenance"]
         rows.append(
             {"system": r["system"], "chapter": r["system"], "n_atoms": r["n_atoms"],
              "n_edges": r["n_edges"], "dtype": r["precision"], "step_ms": r["ms"],
-             "peak_mem_MiB": r["peak_MiB"], "device": prov["device"],
+             "peak_MiB": r["peak_MiB"], "device": prov["device"],
              "commit": prov["commit"]}
         )  # fmt: skip
-
-    def order(r):
-        known = r["system"] in PROGRESS_ROWS
-        i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
-        return (r["n_atoms"], r["dtype"] != "float32", i)
-
     return _with_ratios(
-        sorted(rows, key=order),
+        rows,
         lambda r: r["system"] == "reference",
         lambda r: r["system"] in PROGRESS_PEERS,
     )

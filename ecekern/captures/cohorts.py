@@ -3,26 +3,17 @@
 Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32), strict fp32,
 every earlier chapter's fast path on (the library's defaults):
 
-* ``stack`` -> stack.csv: the mixing stack alone (one layer's, forward + input
-  backward) at the 512- and 4096-atom boxes' edge counts, plain, in cohorts
-  (:data:`COHORTS`) and by the layer kernels (:data:`FUSED`): time (ms) and the
-  peak memory above the inputs (MiB);
 * ``steps`` -> steps.csv: the force step at 512 and 4096 atoms, plain and in cohorts
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
   replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
   at most 5 % slower);
 * ``memory`` -> memory.csv: the force step's peak memory against the atom count,
-  plain, keeping z and recomputing, up to the boxes given (``boxes="4,6,8"``:
-  diamond repeats), and the largest box that ran (an out-of-memory is a row, not
-  the end of the run, with what the allocator said: the request, what the tensors
-  held and what was reserved but free; ``alloc_conf``: PYTORCH_CUDA_ALLOC_CONF;
+  plain, keeping z and recomputing, up to the boxes given (``--boxes 4,8,12,16``,
+  the default: diamond repeats), and the largest box that ran (an out-of-memory is
+  a row, not the end of the run, with what the allocator said: the request, what
+  the tensors held and what was reserved but free; ``alloc_conf``:
+  PYTORCH_CUDA_ALLOC_CONF;
   ``memory=stack``: only the cases whose label starts so);
-* ``precision`` -> precision.csv, nve.csv: fp32, TF32 and the layer kernels'
-  tf32x3, tf32 and bf16 against fp64 (same weights)
-  on the 512-atom diamond at 0.05 and 0.25 A rattle: force errors relative to the
-  force RMS, energy error per atom; NVE (ASE velocity Verlet, 1 fs, 1 ps, 300 K,
-  each atom tethered to its start by an exact spring) in fp64, fp32 and TF32: the
-  energy drift per atom;
 * ``ncu`` -> ncu_layers.csv, ncu_stack.csv, ncu_recompute.csv: Nsight Compute on
   the layer kernels and on the fused stacks, forward and force backward, at each
   precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
@@ -38,19 +29,10 @@ import torch
 
 from .. import bench, options
 from .._stack_common import kernel_precision
-from ..cohorts import COHORT_EDGES
 from . import schema
 from .common import book_config, free, ncu_part, option_steps
 
 __all__ = ["PARTS"]
-#: (label, cohort_edges, recompute) of the ``stack`` part (None: the plain stack).
-COHORTS = (
-    ("plain", None, None),
-    ("keep z", 8192, False),
-    ("keep z", 131072, False),
-    ("recompute", 8192, True),
-    ("recompute", 131072, True),
-)
 
 
 def _label(stack: str, precision: str) -> str:
@@ -60,10 +42,9 @@ def _label(stack: str, precision: str) -> str:
     return f"{family} {kernel_precision(precision)}"
 
 
-#: The layer kernels' rows of the ``stack`` part, and the fused stacks' (one kernel
-#: per tile of edges): (label, options), the layer kernels in the order strict fp32,
-#: TF32, 3xTF32, bf16 and the fused stacks strict fp32, 3xTF32, TF32, bf16; they
-#: skip the m = 0 sin part as the model does (``sin0_zero``).
+#: The stack kernels' cases, (label, options): the layer kernels in the order strict
+#: fp32, TF32, 3xTF32, bf16, then the fused stacks (one kernel per tile of edges)
+#: strict fp32, 3xTF32, TF32, bf16.
 FUSED = tuple(
     (_label(stack, p), {"stack": stack, "precision": p})
     for stack, ps in (("layers", ("fp32", "tf32", "3xtf32", "bf16")),
@@ -80,98 +61,6 @@ FUSED_RECOMPUTE = (
 #: z again on chip: (label, options).
 STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
                         if o["stack"] == "fused")  # fmt: skip
-
-
-def _planes_copy(rows):
-    """Copies of a (cos, sin) pair of ``(E, W, n_ang)`` rows as the views of one
-    ``(n_ang, 2, E, W)`` planes tensor."""
-    from ecekern._planes import planes_pair
-
-    _, *pair = planes_pair(rows[0], *rows[0].shape)
-    for a, b in zip(pair, rows, strict=True):
-        a.copy_(b.detach())
-    return list(pair)
-
-
-#: What a row of stack.csv times (its ``n``: the edges).
-PROBLEM = "one layer's stack, forward + input backward"
-
-
-def _stack(run, arg: str) -> str:
-    """stack.csv (kernel schema, with ``cohort_edges`` and ``peak_MiB``; module
-    docstring)."""
-    import ecekern
-    from ecekern import cohorts, reference
-    from ecekern.linear import equivariant_linear
-    from ecekern.model import prepare_inputs
-
-    out, reps, dev = run.out, run.reps(), run.dev
-    cfg = book_config(dev, n_gated=2)
-    model = ecekern.ECEModel(cfg).to(dev)
-    layer = model.interactions[0]
-    weights = [lin.weight for lin in layer.gated]
-    biases = [lin.bias for lin in layer.gated]
-    rows = []
-    for rep in reps:
-        *_, graph = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
-        )
-        E = graph.n_edges
-        x_rows = [
-            torch.randn(E, cfg.F, cfg.n_ang, device=dev, requires_grad=True)
-            for _ in range(2)
-        ]
-        gy_rows = [torch.randn(E, layer.out.weight.shape[1], cfg.n_ang, device=dev)]
-        gy_rows.append(torch.randn_like(gy_rows[0]))
-        # the layer kernels get their rows as the model hands them over: planes
-        # pairs (chapter 3's planes=True), the same values, no copies
-        xp = [t.requires_grad_() for t in _planes_copy(x_rows)]
-        gyp = _planes_copy(gy_rows)
-        cases = [(*c, None) for c in COHORTS]
-        cases += [(label, COHORT_EDGES, False, p) for label, p in FUSED]
-        label, p, c = FUSED_RECOMPUTE
-        cases.append((label, c, True, p))
-        cases += [(label, COHORT_EDGES, True, p) for label, p in STACK_RECOMPUTE]
-        for label, cohort, recompute, opts in cases:
-            kernels, precision = (None, "fp32") if opts is None else (
-                opts["stack"], opts["precision"])  # fmt: skip
-            why = kernels and cohorts.why_not(
-                "layers", precision, dev, None, torch.float32, cfg.F,
-                layer.out.weight.shape[1], cfg.n_ang,
-            )  # fmt: skip
-            if why:  # the interpreter's tiny model: widths without a factor 16
-                row = schema.kernel_row(label, PROBLEM, E, "float32", None, note=why)
-                rows.append({**row, "cohort_edges": cohort or ""})
-                schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
-                continue
-
-            def fwd_bwd(cohort=cohort, recompute=recompute, kernels=kernels,
-                        precision=precision):  # fmt: skip
-                x, gy = (xp, gyp) if kernels else (x_rows, gy_rows)
-                if cohort is None:
-                    y = reference.mixing_stack(
-                        *x, weights, biases, layer.out.weight, layer.out.bias,
-                        equivariant_linear,
-                    )  # fmt: skip
-                else:
-                    y = cohorts.mixing_stack(
-                        *x, weights, biases, layer.out.weight, layer.out.bias,
-                        equivariant_linear, cohort_edges=cohort, recompute=recompute,
-                        kernels=kernels, precision=precision,
-                        sin0_zero=kernels is not None,
-                    )  # fmt: skip
-                return torch.autograd.grad(y, x, gy)
-
-            t = bench.time_fn(fwd_bwd) if dev == "cuda" else None
-            peak = bench.peak_memory(fwd_bwd) / 2**20
-            c = cohort or ""
-            row = schema.kernel_row(label, PROBLEM, E, "float32", t, cohort_edges=c)
-            rows.append({**row, "peak_MiB": peak})
-            print(f"stack {label} {cohort} E={E}: {t.median if t else 0:.2f} ms",
-                  flush=True)  # fmt: skip
-            schema.write(rows, out / "stack.csv", schema.KERNEL_COLUMNS)
-            free()
-    return "done"
 
 
 #: (label, options) cases of the ``steps`` and ``memory`` parts.
@@ -205,139 +94,13 @@ def _steps(run, arg: str) -> str:
     return option_steps(run, cases, "steps", cfg, modes=schema.MODES)
 
 
-#: The precision study's cases: (label, TF32, options); fp64 is the truth.
-PRECISION_CASES = (
-    ("fp64", False, {}),
-    ("fp32", False, {"memory": "keep", "stack": "linears"}),
-    ("tf32", True, {"memory": "keep", "stack": "linears"}),
-    *((label, False, {"memory": "keep", **o}) for label, o in FUSED[1:]),
-)
-#: The precision study's settings: rattles (A), NVE time step (fs) and length (fs).
-RATTLES = (0.05, 0.25)
-NVE_DT_FS, NVE_FS = 1.0, 1000.0
-#: NVE temperature (K) and the spring (eV/A^2) that tethers each atom to its start:
-#: the book's model has random weights and no repulsive core, so untethered atoms
-#: meet within a picosecond (closer than 0.1 A), even at 10 K.
-NVE_K, TETHER = 300.0, 1.0
-
-
-def _tether_calculator(model, anchor, device="cuda"):
-    """The model's calculator plus ``sum_i TETHER |x_i - anchor_i|^2 / 2`` in float64
-    (exact and conservative: any drift is the model's)."""
-    import numpy as np
-    from ase.calculators.calculator import Calculator, all_changes
-    from ase.calculators.mixing import SumCalculator
-
-    from ecekern.calculator import ECECalculator
-
-    class Tether(Calculator):
-        implemented_properties = ["energy", "free_energy", "forces"]
-
-        def calculate(self, atoms=None, properties=("energy",),
-                      system_changes=all_changes):  # fmt: skip
-            super().calculate(atoms, properties, system_changes)
-            d = self.atoms.positions - anchor
-            e = 0.5 * TETHER * float(np.sum(d * d))
-            self.results = {"energy": e, "free_energy": e, "forces": -TETHER * d}
-
-    return SumCalculator([ECECalculator(model, device=device), Tether()])
-
-
-def _precision(run, arg: str, rep: int = 4) -> str:
-    """Forces and energies of fp32 and TF32 against fp64 (the same weights), and
-    NVE energy drift over ``NVE_FS`` with the ASE calculator."""
-    import copy
-
-    import numpy as np
-    from ase import units
-    from ase.md.velocitydistribution import thermalize_momenta
-    from ase.md.verlet import VelocityVerlet
-
-    import ecekern
-
-    out = run.out
-    cfg = book_config("cuda", n_gated=2)
-    torch.manual_seed(0)
-    m64 = ecekern.ECEModel(cfg).double().to("cuda")
-    m32 = copy.deepcopy(m64).float()
-    cases = tuple(
-        (label, m64 if label == "fp64" else m32, tf32, opts)
-        for label, tf32, opts in PRECISION_CASES
-    )
-    rows, nve = [], []
-    for rattle in RATTLES:
-        atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
-        n = len(atoms)
-        e_ref, f_ref = (t.detach().cpu().double()
-                        for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
-        f_rms = f_ref.square().mean().sqrt().item()
-        for name, model, tf32, opts in cases[1:]:
-            bench.set_tf32(tf32)
-            try:
-                with options.use(**opts):
-                    got = ecekern.energy_and_forces(model, atoms)
-                e, f = (t.detach().cpu().double() for t in got)
-            finally:
-                bench.set_tf32(False)
-            d = (f - f_ref).norm(dim=1)
-            rows.append({
-                "precision": name, "rattle_A": rattle, "n_atoms": n,
-                "force_rms_eV_A": f_rms,
-                "force_max_eV_A": f_ref.norm(dim=1).max().item(),
-                "max_force_err_rel": d.max().item() / f_rms,
-                "rms_force_err_rel": d.square().mean().sqrt().item() / f_rms,
-                "energy_err_per_atom_eV": abs(e - e_ref).item() / n,
-                **bench.provenance(torch.float32),
-            })  # fmt: skip
-            print(rows[-1], flush=True)
-            bench.write_csv(rows, out / "precision.csv")
-    for name, model, tf32, opts in cases:
-        atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
-        thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
-        atoms.calc = _tether_calculator(model, atoms.positions.copy())
-        bench.set_tf32(tf32)
-        try:
-            with options.use(**opts):
-                e0, t_fs, es = atoms.get_total_energy(), [], []
-            dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
-
-            def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
-                t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
-                es.append(atoms.get_total_energy())
-
-            dyn.attach(log, interval=10)
-            with options.use(**opts):
-                dyn.run(round(NVE_FS / NVE_DT_FS))
-            de = (np.asarray(es) - e0) / len(atoms)
-            slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
-            row = {
-                "drift_meV_per_atom_ps": 1e3 * slope,
-                "max_dev_meV_per_atom": 1e3 * np.abs(de).max(),
-                "final_dev_meV_per_atom": 1e3 * de[-1],
-            }
-        except Exception as exc:  # a run that fails is a row, not the end
-            row = {"error": repr(exc)[:300]}
-        finally:
-            bench.set_tf32(False)
-        nve.append({
-            "precision": name, "n_atoms": len(atoms), "dt_fs": NVE_DT_FS,
-            "length_fs": NVE_FS, "temperature_K": NVE_K, "tether_eV_A2": TETHER,
-            **row,
-            **bench.provenance(next(model.parameters()).dtype),
-        })  # fmt: skip
-        print(nve[-1], flush=True)
-        bench.write_csv(nve, out / "nve.csv")
-    return "done"
-
-
 def _memory(run, only: str) -> dict:
     """memory.csv (module docstring); ``only``: the cases whose label starts so
     (``memory=stack``)."""
     import ecekern
     from ecekern.model import force_step, prepare_inputs
 
-    boxes = [int(b) for b in (run.boxes or "4,8,12,16").split(",")]
-    boxes, out = boxes[:2] if run.quick else boxes, run.out
+    boxes, out = run.reps(full=(4, 8, 12, 16), quick=(4, 8)), run.out
     cfg = book_config("cuda", n_gated=2)
     model = ecekern.ECEModel(cfg).to("cuda")
     rows, largest = [], {}
@@ -391,11 +154,5 @@ _ncu = ncu_part({
     "stack": ("cohorts_stack", ["-k", "regex:_fused"]),
     "recompute": ("cohorts_stack_recompute", ["-k", "regex:_fused"]),
 })  # fmt: skip
-PARTS = {
-    "stack": _stack,
-    "steps": _steps,
-    "memory": _memory,
-    "precision": _precision,
-    "ncu": _ncu,
-}
-GPU_ONLY = ("steps", "memory", "precision", "ncu")
+PARTS = {"steps": _steps, "memory": _memory, "ncu": _ncu}
+GPU_ONLY = tuple(PARTS)

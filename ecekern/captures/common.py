@@ -1,28 +1,17 @@
-"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`),
-profiler tables, the force-step row, one part that times the force step under a
-list of option dicts (:func:`option_steps`), and one launch sweep for every
-kernel's launch choices (:func:`launch_sweep`).
-
-Nothing here changes the library's state: a launch under test is a dataclass passed to
-the kernel's launcher (``TritonLaunch``, ``FmaLaunch``, ``gluon_tc.Launch``,
-``ZonalLaunch``); an Nsight Compute program gets what it needs through the environment
-of its own process (:func:`run_ncu`'s ``env``), never through this one's.
+"""What the chapters' captures share: one Nsight Compute part (:func:`ncu_part`,
+on the library's own launches), profiler tables, the force-step row
+(:func:`force_row`) and one part that times the force step under a list of option
+dicts (:func:`option_steps`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
-import json
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,19 +19,16 @@ from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = [
-    "LaunchCase",
+    "BEFORE_CH6",
     "compile_model",
     "device",
     "for_boxes",
     "force_row",
     "free",
-    "launch_from_json",
-    "launch_sweep",
-    "launch_to_json",
     "ncu_part",
     "option_steps",
     "profile_table",
-    "rel_err_gpu",
+    "profiled",
     "run_ncu",
     "step_error",
     "sync",
@@ -62,6 +48,10 @@ NCU_STALLS = [
 ]  # fmt: skip
 
 
+#: The stack as before chapter 6 (the linears, no cohorts): chapters 1 to 5's steps.
+BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
+
+
 # --------------------------------------------------------------------------------------
 # processes, devices, parts
 # --------------------------------------------------------------------------------------
@@ -70,21 +60,15 @@ def run_ncu(
     out_csv: Path,
     extra: list[str] | None = None,
     timeout: float = 420,
-    env: dict[str, str] | None = None,
 ) -> str:
-    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status.
-
-    ``env``: variables for the profiled process only (the launches a target is to
-    run, as :func:`launch_to_json` writes them); this process's environment is not
-    changed."""
+    """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
     status, basic = "ncu not run", NCU_METRICS_BASIC
     for metrics in (basic + NCU_STALLS + NCU_COUNTERS, basic + NCU_STALLS, basic):
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ece/",
                "--metrics", ",".join(metrics), "--csv", "--page", "raw", *(extra or []),
                sys.executable, "-m", "ecekern.captures.targets", target]  # fmt: skip
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                               env={**os.environ, **(env or {})})  # fmt: skip
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except Exception as exc:  # ncu missing or too slow
             status = f"ncu failed: {exc!r}"
             continue
@@ -100,6 +84,24 @@ def sync(dev: str = "cuda") -> None:
     """Wait for the GPU (nothing on a CPU)."""
     if dev == "cuda":
         torch.cuda.synchronize()
+
+
+def profiled(fn, iters: int, dev: str = "cuda"):
+    """``(profile, seconds)``: ``torch.profiler`` (CPU, and CUDA on a GPU) over
+    ``iters`` back-to-back calls of ``fn`` after one call outside it, and the wall
+    time of those calls until the device is done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    cuda = [ProfilerActivity.CUDA] if dev == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(dev)
+        seconds = time.perf_counter() - t0
+    return prof, seconds
 
 
 def compile_model(model, inputs, dev: str = "cuda"):
@@ -158,12 +160,6 @@ def ceilings() -> dict:
 # --------------------------------------------------------------------------------------
 # rows
 # --------------------------------------------------------------------------------------
-def rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` on the device, in float64."""
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
-
-
 def timing_columns(prefix: str, t) -> dict:
     """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
     ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""
@@ -180,16 +176,23 @@ def force_row(
     rep_ms: float = 400.0,
     forward: bool = False,
     step=None,
+    graph_kw: dict | None = None,
+    min_reps: int = 5,
+    more=None,
     **extra,
 ) -> dict:
     """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
     prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
-    numbers, graph)``): its time (median, p10, p90) and peak memory, at the inputs'
-    precision (TF32 as it is switched now). ``mode="replay"``: the step as a
-    :class:`~ecekern.graph_step.GraphStep` (chapter 4), its peak memory that of the
-    capture (the graph's memory pool holds the step's intermediates). ``forward``:
-    the forward alone too (no grad; ``forward_ms``, ``forward_p10_ms``,
-    ``forward_p90_ms``) and the backward as the difference (``backward_ms``)."""
+    numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)
+    and peak memory, at the inputs' precision (TF32 as it is switched now).
+    ``mode="replay"``: the step as a :class:`~ecekern.graph_step.GraphStep`
+    (chapter 4; ``graph_kw``: its arguments, say ``headroom``), its peak memory that
+    of the capture (the graph's memory pool holds the step's intermediates), with
+    its ``headroom``, ``capacity`` (edge slots) and ``capture_s`` (seconds to build
+    and capture it). ``forward``: the forward alone too (no grad; ``forward_ms``,
+    ``forward_p10_ms``, ``forward_p90_ms``) and the backward as the difference
+    (``backward_ms``). ``more(fn) -> dict``: columns measured on the step ``fn``
+    after its timing."""
     from ..graph_step import GraphStep
     from ..model import force_step
 
@@ -201,13 +204,18 @@ def force_row(
         holder = {}
 
         def first():
-            holder["step"] = GraphStep(model, numbers)
+            holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
             holder["step"](pos, graph)
 
+        sync(pos.device.type)
+        t0 = time.perf_counter()
         peak = bench.peak_memory(first)
         if "step" not in holder:  # no GPU: peak_memory runs nothing
             first()
-        fn = lambda: holder["step"](pos, graph)
+        cap = holder["step"]
+        extra |= {"headroom": cap.headroom, "capacity": cap.capacity,
+                  "capture_s": time.perf_counter() - t0}  # fmt: skip
+        fn = lambda: cap(pos, graph)
     else:
         fn = lambda: (step or force_step)(model, pos, numbers, graph)
     if forward:
@@ -218,9 +226,11 @@ def force_row(
 
         extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
                  **extra}  # fmt: skip
-    t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=5)
+    t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=min_reps)
     if forward:
         extra["backward_ms"] = t.median - extra["forward_ms"]
+    if more is not None:
+        extra |= more(fn)
     if peak is None:
         peak = bench.peak_memory(fn)
     precision = bench.dtype_label(pos.dtype)
@@ -277,22 +287,20 @@ def option_steps(run, cases, name, cfg=None, reps=None, modes=("eager",), each=N
     return "done"
 
 
-def ncu_part(runs: dict, env=None, timeout: float = 420):
+def ncu_part(runs: dict, timeout: float = 420):
     """A part that runs Nsight Compute: ``runs`` maps a name to ``(target,
     ncu arguments)``; each writes ``ncu_<name>.csv`` (its status: the note
-    ``ncu_<name>``). The part's argument picks some names (``ncu=stack``);
-    ``env(run)``: the profiled programs' environment (:func:`run_ncu`)."""
+    ``ncu_<name>``). The part's argument picks some names (``ncu=stack``)."""
 
     def part(run, arg: str) -> dict:
         names = arg.split(";") if arg else list(runs)
         unknown = [n for n in names if n not in runs]
         if unknown:
             raise ValueError(f"ncu={arg!r}: choose from {', '.join(runs)}")
-        e = env(run) if env else None
         return {
             f"ncu_{n}": run_ncu(
-                runs[n][0], run.out / f"ncu_{n}.csv", runs[n][1], timeout, e
-            )  # fmt: skip
+                runs[n][0], run.out / f"ncu_{n}.csv", runs[n][1], timeout
+            )
             for n in names
         }
 
@@ -308,18 +316,11 @@ def step_error(exc: BaseException, system: str, inputs, plan="", mode="eager") -
 
 
 def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
-    """torch.profiler over ``iters`` calls: a text table and a CSV of every op."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """torch.profiler over ``iters`` calls (:func:`profiled`): a text table and a
+    CSV of every op."""
     from .stages import device_us
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
+    ka = profiled(fn, iters)[0].key_averages()
     sort = "self_cuda_time_total"
     (out_dir / f"{stem}_table.txt").write_text(ka.table(sort_by=sort, row_limit=40))
     rows = []
@@ -336,105 +337,3 @@ def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
         })  # fmt: skip
     rows.sort(key=lambda r: -r["self_cuda_ms_per_step"])
     bench.write_csv(rows, out_dir / f"{stem}_ops.csv")
-
-
-# --------------------------------------------------------------------------------------
-# launches: one sweep for every kernel, and their hand-over to Nsight Compute
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LaunchCase:
-    """One launch to time: ``launch`` is what the chapter's ``run`` passes to the
-    kernel; the fastest correct case is kept per ``group`` (a precision, a kernel).
-
-    Its row is a kernel row (:func:`.schema.kernel_row`) of ``kernel``, ``problem``
-    and ``n``, ``nbytes`` the bytes it must move (empty: unknown), then ``keys``
-    (the launch's own columns: variant, tiles, warps) and ``columns`` (the floor);
-    ``tf32`` is switched on around the case; ``tol`` is the largest relative error
-    against float64 that counts as correct."""
-
-    group: str
-    launch: Any
-    kernel: str
-    problem: str
-    n: int
-    keys: dict
-    dtype: torch.dtype = torch.float32
-    tf32: bool = False
-    tol: float = 1e-5
-    nbytes: float | None = None
-    columns: dict = field(default_factory=dict)
-
-
-def _gpu_time(fn):
-    return bench.time_graph(fn) or bench.time_fn(fn, rep_ms=100.0)
-
-
-def launch_sweep(
-    cases: Iterable[LaunchCase],
-    run: Callable[[LaunchCase], Any],
-    check: Callable[[LaunchCase, Any], float],
-    out_csv: Path,
-    timer: Callable | None = None,
-) -> dict[str, LaunchCase]:
-    """Time every case's ``run(case)`` (its GPU time by CUDA-graph replay,
-    :func:`bench.time_graph`, or where that cannot capture it, or on a CPU,
-    :func:`bench.time_fn`) after ``check(case, output)`` gave its relative error
-    against a float64 truth; write a row per case to ``out_csv`` (kernel schema,
-    :class:`LaunchCase`) as it goes (a case that raised is a row with its error).
-    Returns the fastest correct case per group. ``timer(fn) -> Timing`` replaces
-    the timing (tests time host work)."""
-    rows: list[dict] = []
-    best: dict[str, tuple[float, LaunchCase]] = {}
-    try:
-        for case in cases:
-            bench.set_tf32(case.tf32)
-            fn = lambda case=case: run(case)
-            precision = bench.dtype_label(case.dtype)
-            row = lambda t, **kw: schema.kernel_row(
-                case.kernel, case.problem, case.n, precision, t, case.nbytes,
-                **case.keys, **case.columns, **kw,
-            )  # fmt: skip
-            try:
-                err = check(case, fn())
-                t = (timer or _gpu_time)(fn)
-            except Exception as exc:  # out of registers or shared memory, say
-                rows.append(row(None, error=repr(exc)[:300]))
-                schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
-                continue
-            rows.append(row(t, rel_err_vs_fp64=err, launch=repr(case.launch)))
-            if err < case.tol and t.median < best.get(case.group, (float("inf"),))[0]:
-                best[case.group] = (t.median, case)
-            keys = " ".join(f"{v}" for v in case.keys.values())
-            print(case.group, keys, f"{t.median * 1e3:.1f} us err {err:.1e}")
-            schema.write(rows, out_csv, schema.KERNEL_COLUMNS)
-    finally:
-        bench.set_tf32(False)
-    return {g: c for g, (_, c) in best.items()}
-
-
-def launch_to_json(kernel: str, launch) -> dict:
-    """A launch dataclass as plain JSON: ``{"kernel": kernel, **its fields}``."""
-    return {"kernel": kernel, **dataclasses.asdict(launch)}
-
-
-def launch_from_json(d: dict) -> tuple[str, Any]:
-    """``(kernel, launch)`` back from :func:`launch_to_json`'s dict: ``triton``
-    (``TritonLaunch``), ``fma`` (``FmaLaunch``), ``tc`` (``gluon_tc.Launch``) or
-    ``zonal`` (``ZonalLaunch``)."""
-    from .. import zonal
-    from ..linear import gluon_fma, gluon_tc, triton_modes
-
-    kinds = {
-        "triton": triton_modes.TritonLaunch,
-        "fma": gluon_fma.FmaLaunch,
-        "tc": gluon_tc.Launch,
-        "zonal": zonal.ZonalLaunch,
-    }
-    d = dict(d)
-    kernel = d.pop("kernel")
-    return kernel, kinds[kernel](**d)
-
-
-def launches_env(name: str, launches) -> dict[str, str]:
-    """``{name: JSON}`` of launches for an Nsight Compute program's environment."""
-    return {name: json.dumps(launches)}

@@ -1,15 +1,10 @@
-"""Chapter 3's capture: the edge-frame kernels, table against packed, and the step.
+"""Chapter 3's capture: the edge frame by the reference, the table and the packed
+kernels in the force step.
 
 Parts (``parts``, comma-separated), on the model's own tensors (the book's model,
 L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
-* ``launch`` -> launch_sweep.csv: ``EdgeFrameLaunch`` variants (edges per loop step
-  and warps) of the four packed kernels at 365k edges, fp32, each timed by CUDA-graph
-  replay and checked against float64; the same launches at 46k edges;
-* ``kernels`` -> kernels.csv: each op (rotation with the modulation, unrotation with
-  the aggregation) forward and backward, reference / table / packed, its GPU time,
-  the bytes model and the floor, and the packing's own cost;
-* ``steps`` -> steps.csv, stages.csv, profile_*: the force step at 512 and 4096 atoms
+* ``steps`` -> steps.csv, stages.csv: the force step at 512 and 4096 atoms
   with chapters 2 and 5 on, the edge frame by the reference, the table kernels and
   the packed kernels: time, peak memory, and the forward and backward time by stage
   (the profiler) at 4096 atoms;
@@ -19,24 +14,10 @@ L = 2, C = 32, diamond boxes of 512 and 4096 atoms: about 46k and 365k edges):
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-
 import torch
 
 from .. import bench
-from . import schema
-from .common import (
-    LaunchCase,
-    ceilings,
-    device,
-    free,
-    launch_sweep,
-    ncu_part,
-    option_steps,
-    profile_table,
-    rel_err_gpu,
-)
+from .common import BEFORE_CH6, device, ncu_part, option_steps
 
 __all__ = ["PARTS", "step_tensors"]
 #: The kernels in the order the ncu target runs them, per variant (the rotations
@@ -104,11 +85,6 @@ def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     }
 
 
-def _double(t: dict) -> dict:
-    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-            for k, v in t.items()}  # fmt: skip
-
-
 def _frames(t: dict, variant: str, launch=None):
     from .. import edge_frame
 
@@ -139,159 +115,19 @@ def _ops(fr, t: dict):
     }
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-# --------------------------------------------------------------------------------------
-# launch sweep
-# --------------------------------------------------------------------------------------
-def _launch(run, arg: str) -> dict:
-    """launch_sweep.csv; returns the fastest launch per kernel at the largest box."""
-    from .. import edge_frame as ef
-
-    out, reps, dev = run.out, run.reps(), run.dev
-    rows_best = {}
-    blocks, warps = ((2, 4, 8, 16), (4, 8)) if dev == "cuda" else ((4,), (1,))
-    for rep in reversed(reps):
-        t = step_tensors(rep)
-        t64 = _double(t)
-        truth = {k: _first(f()) for k, f in _ops(_frames(t64, "packed"), t64).items()}
-        model = ef.traffic(t["E"], t["N"], t["L"], t["M"], t["C"], 4)
-        bw = ceilings()["copy_GBps"]
-        problem = f"E={t['E']}, L={t['L']}, M={t['M']}, C={t['C']}"
-        cases = []
-        for kernel in ("rotate_fwd", "rotate_bwd", "unrotate_fwd", "unrotate_bwd"):
-            floor = bench.floor_ms(model[f"floor_{kernel}"], 0, bw)
-            for be, w in itertools.product(blocks, warps):
-                f = kernel.replace("_fwd", "")
-                launch = dataclasses.replace(
-                    ef.EdgeFrameLaunch(), **{f"{f}_block": be, f"{f}_warps": w}
-                )
-                cases.append(LaunchCase(
-                    f"{kernel} {t['E']}", launch, kernel, problem, t["E"],
-                    {"block_e": be, "warps": w}, nbytes=model[f"floor_{kernel}"],
-                    columns={"floor_ms": floor},
-                ))  # fmt: skip
-        frames = {}
-
-        def run_case(case):
-            fr = frames.get(case.launch)
-            if fr is None:
-                fr = frames[case.launch] = _ops(_frames(t, "packed", case.launch), t)
-            return _first(fr[case.kernel]())
-
-        def check(case, got):
-            return rel_err_gpu(got, truth[case.kernel])
-
-        name = "launch_sweep.csv" if rep == reps[-1] else f"launch_sweep_{rep}.csv"
-        best = launch_sweep(cases, run_case, check, out / name)
-        if rep == reps[-1]:
-            rows_best = {
-                k: (c.keys["block_e"], c.keys["warps"]) for k, c in best.items()
-            }
-        t = t64 = truth = frames = None
-        free()
-    return {"launch": rows_best}
-
-
-# --------------------------------------------------------------------------------------
-# the ops, reference / table / packed
-# --------------------------------------------------------------------------------------
-def _kernels(run, arg: str) -> str:
-    """kernels.csv (kernel schema: ``kernel`` the op, ``n`` its edges, with its
-    ``variant``): each op's GPU time by variant, with the bytes model."""
-    from .. import edge_frame as ef
-    from .. import reference
-
-    out, reps = run.out, run.reps()
-    bw = ceilings()["copy_GBps"]
-    rows: list[dict] = []
-    for rep in reps:
-        t = step_tensors(rep)
-        g = t["graph"]
-        L, M = t["L"], t["M"]
-        problem = f"E={t['E']}, L={L}, M={M}, C={t['C']}"
-        gx = [torch.randn(t["E"], 2 * t["C"] * (L + 1), M + 1, device=t["h"].device)
-              for _ in range(2)]  # fmt: skip
-
-        def ref_rotate():
-            xc, xs = reference.rotate_and_select(t["h"], g.src, g.dst, t["D"], M)
-            return xc * t["rho"][:, :, None], xs * t["rho"][:, :, None]
-
-        def ref_unrotate():
-            msg = reference.pack_and_unrotate(t["y_cos"], t["y_sin"], t["D"], M)
-            return reference.aggregate(msg, g.dst, t["N"], t["scale"], t["w"])
-
-        def leaf(*names):
-            return [t[n].detach().requires_grad_() for n in names]
-
-        def ref_rotate_fb():
-            h, D, rho = leaf("h", "D", "rho")
-            xc, xs = reference.rotate_and_select(h, g.src, g.dst, D, M)
-            torch.autograd.backward((xc * rho[:, :, None], xs * rho[:, :, None]), gx)
-
-        def ref_unrotate_fb():
-            yc, ys, D, w = leaf("y_cos", "y_sin", "D", "w")
-            msg = reference.pack_and_unrotate(yc, ys, D, M)
-            delta = reference.aggregate(msg, g.dst, t["N"], t["scale"], w)
-            delta.backward(t["G"])
-
-        timings = {
-            ("reference", "rotate"): (ref_rotate, ref_rotate_fb),
-            ("reference", "unrotate"): (ref_unrotate, ref_unrotate_fb),
-        }
-        for variant in ef.VARIANTS:
-            o = _ops(_frames(t, variant), t)
-            for op in ("rotate", "unrotate"):
-                fwd, bwd = o[f"{op}_fwd"], o[f"{op}_bwd"]
-                timings[(variant, op)] = (fwd, lambda f=fwd, b=bwd: (f(), b()))
-        for (variant, op), (fwd, fb) in timings.items():
-            packed = variant == "packed"
-            model = ef.traffic(t["E"], t["N"], L, M, t["C"], 4, packed=packed)
-            t_f = bench.time_graph(fwd) or bench.time_fn(fwd)
-            t_fb = bench.time_fn(fb) if variant == "reference" else (
-                bench.time_graph(fb) or bench.time_fn(fb))  # fmt: skip
-            floor_f = bench.floor_ms(model[f"floor_{op}_fwd"], 0, bw)
-            fb_bytes = model[f"floor_{op}_fwd"] + model[f"floor_{op}_bwd"]
-            floor_fb = bench.floor_ms(fb_bytes, 0, bw)
-            rows.append(schema.kernel_row(
-                op, problem, t["E"], "float32", t_f, model[f"floor_{op}_fwd"],
-                variant=variant, n_atoms=t["N"], fwd_bwd_ms=t_fb.median,
-                backward_ms=t_fb.median - t_f.median, floor_fwd_ms=floor_f,
-                floor_fwd_bwd_ms=floor_fb, floor_fraction_fwd=floor_f / t_f.median,
-                floor_fraction_fwd_bwd=floor_fb / t_fb.median,
-                timer_fwd_bwd="eager" if variant == "reference" else "graph",
-                message_MB=model["message_bytes"] / 1e6,
-            ))  # fmt: skip
-            print(op, variant, t["E"], f"fwd {t_f.median:.3f} ms",
-                  f"fwd+bwd {t_fb.median:.3f} ms", flush=True)  # fmt: skip
-            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
-        t_pack = bench.time_graph(lambda: ef.pack(t["D"], M))
-        if t_pack is not None:
-            pack = schema.kernel_row("pack", problem, t["E"], "float32", t_pack)
-            rows.append({**pack, "variant": "packed", "n_atoms": t["N"]})
-            schema.write(rows, out / "kernels.csv", schema.KERNEL_COLUMNS)
-        t = timings = None
-        free()
-    return "done"
-
-
 # --------------------------------------------------------------------------------------
 # the force step
 # --------------------------------------------------------------------------------------
-#: (the stack as before chapter 6: the linears, no cohorts)
+#: The options of the steps: chapters 2 and 5 on, the edge frame switched.
 STEP_OPTIONS = {
-    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, "stack": "linears",
-         "memory": "plain"}
+    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, **BEFORE_CH6}
     for ef in ("reference", "table", "packed")
-}  # fmt: skip
+}
 
 
 def _steps(run, arg: str) -> str:
     """steps.csv (step schema) and stages.csv (chapters 2 and 5 on; the edge frame
-    switched): time, peak memory, and at the largest box the time by stage and a
-    profile."""
+    switched): time, peak memory, and at the largest box the time by stage."""
     from ecekern.model import force_step
 
     from .progress import _stages
@@ -305,12 +141,11 @@ def _steps(run, arg: str) -> str:
         for r in _stages(variant, step, row["n_atoms"], "cuda"):
             stage_rows.append({"edge_frame": variant, **r})
         bench.write_csv(stage_rows, run.out / "stages.csv")
-        profile_table(step, run.out, f"profile_force_{row['n_atoms']}_{variant}")
 
     cases = [(variant, opts, {}) for variant, opts in STEP_OPTIONS.items()]
     return option_steps(run, cases, "steps", each=stages)
 
 
 _ncu = ncu_part({"edge_frame": ("edge_frame", None)})
-PARTS = {"launch": _launch, "kernels": _kernels, "steps": _steps, "ncu": _ncu}
-GPU_ONLY = ("steps", "ncu")
+PARTS = {"steps": _steps, "ncu": _ncu}
+GPU_ONLY = tuple(PARTS)

@@ -1,15 +1,7 @@
-"""Chapter 4's capture: host syncs, the sync-free unpack, and the step as a CUDA graph.
+"""Chapter 4's capture: host syncs, and the step as a CUDA graph.
 
 Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32, fp32):
 
-* ``unpack`` -> unpack.csv, unpack_trace_masked.txt, unpack_trace_indexed.txt: dD
-  from dP (the packed tiles' gradient, chapter 3) at the 512- and 4096-atom boxes'
-  edge counts, two ways: with boolean masks built per call, as the seed first had it
-  (:func:`unpack_masked`), and through the integer index the library precomputes
-  once per (L, M, device) (the backward of ``edge_frame.pack``). Per call: wall
-  time, the host's time, host syncs counted by :class:`~ecekern.host_sync.
-  HostSyncAudit` and ``cudaStreamSynchronize``/``cudaMemcpyAsync`` calls counted by
-  the profiler;
 * ``audit`` -> audit.csv: every host sync and host-to-device copy of one force step
   at 512 atoms, under the library's defaults and the reference (none is the target),
   and whether the step runs under ``torch.cuda.set_sync_debug_mode("error")``;
@@ -23,7 +15,6 @@ Parts (``parts``, comma-separated), on the book's model (L = 2, C = 32, fp32):
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 
@@ -31,9 +22,9 @@ import torch
 
 from .. import bench, options
 from . import schema
-from .common import book_config, for_boxes, free
+from .common import book_config, for_boxes, force_row, free, profiled
 
-__all__ = ["PARTS", "unpack_indexed", "unpack_masked"]
+__all__ = ["PARTS"]
 
 #: The option sets the audit and the steps run under.
 PATHS = {"defaults": {}, "reference": {"reference": True}}
@@ -44,133 +35,18 @@ CPU_DEFAULTS = {"edge_frame": "packed", "zonal": "fused"}
 HEADROOMS = (None, 1.0, 1.25)
 
 
-# --------------------------------------------------------------------------------------
-# unpack: boolean masks per call against an index precomputed once
-# --------------------------------------------------------------------------------------
-def unpack_masked(dP: torch.Tensor, mmax: int) -> torch.Tensor:
-    """dD ``(E, S, S)`` from dP ``(E, S, 2, n_ang)``, the seed's first way: the valid
-    slots found by boolean masks on every call. Each ``t[mask]`` has a data-dependent
-    size, so the host waits for the device to count the mask (a sync), and the table
-    goes to the device every call (a host-to-device copy). Kept out of the library:
-    the book's example of what not to do."""
-    from ..edge_frame.launch import _pack_index_cpu
-
-    E, S = dP.shape[0], dP.shape[1]
-    L = int(round(S**0.5)) - 1
-    idx = _pack_index_cpu(L, mmax).to(dP.device)  # (S, 2 n_ang): the row of D, or S
-    valid = idx < S  # which slots hold an entry of D
-    cols = torch.arange(S, device=dP.device)[:, None].expand_as(idx)[valid]  # sync
-    rows = idx[valid]  # sync
-    dDt = dP.new_zeros(E, S, S)  # dD transposed: [e, column s, row]
-    dDt[:, cols, rows] = dP.reshape(E, S, -1)[:, valid]  # sync
-    return dDt.transpose(1, 2)
-
-
-def unpack_indexed(dP: torch.Tensor, mmax: int) -> torch.Tensor:
-    """The same dD as the library gets it in the backward of ``edge_frame.pack``: one
-    ``scatter_add_`` through the integer index that ``pack`` precomputes once per
-    (L, M, device) and keeps on the device. No host sync, no copy."""
-    E, S = dP.shape[0], dP.shape[1]
-    L = math.isqrt(S) - 1
-    idx = _index_on(dP.device, L, mmax).unsqueeze(0).expand(E, S, -1)
-    dDt = dP.new_zeros(E, S, S + 1)  # column S collects the empty slots' zeros
-    dDt.scatter_add_(2, idx, dP.reshape(E, S, -1))
-    return dDt[:, :, :S].transpose(1, 2)
-
-
-@functools.cache
-def _index_on(dev: torch.device, L: int, mmax: int) -> torch.Tensor:
-    from ..edge_frame.launch import _pack_index_cpu
-    from ..so3 import table_mode
-
-    with table_mode():
-        return _pack_index_cpu(L, mmax).to(dev)
-
-
-def _unpack_autograd(dP: torch.Tensor, mmax: int) -> torch.Tensor:
-    """dD through autograd of ``edge_frame.pack`` itself (the check of the two)."""
-    from ..edge_frame.launch import pack
-
-    E, S = dP.shape[0], dP.shape[1]
-    D = torch.zeros(E, S, S, dtype=dP.dtype, device=dP.device, requires_grad=True)
-    with torch.enable_grad():
-        (dD,) = torch.autograd.grad(pack(D, mmax), D, dP)
-    return dD
-
-
-def _api_calls(prof, names) -> int:
-    return sum(e.count for e in prof.key_averages() if e.key in names)
-
-
-def _unpack(run, arg: str) -> str:
-    """unpack.csv and the profiler's traces (module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    import ecekern
-    from ecekern.host_sync import HostSyncAudit
-    from ecekern.model import prepare_inputs
-
-    out, reps, dev, nan = run.out, run.reps(), run.dev, float("nan")
-    cfg = book_config(dev)
-    M, S = cfg.M, cfg.S
-    rows = []
-    for rep in reps:
-        _, _, graph = prepare_inputs(
-            ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, dev
-        )
-        E = graph.n_edges
-        dP = torch.randn(E, S, 2, M + 1, device=dev)
-        want = _unpack_autograd(dP, M)
-        for name, fn in (("masked", unpack_masked), ("indexed", unpack_indexed)):
-            got = fn(dP, M)
-            if not torch.equal(got, want):
-                raise AssertionError(f"unpack {name} differs from the library's")
-            with HostSyncAudit() as audit:
-                fn(dP, M)
-            sync_api = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
-            activities = [ProfilerActivity.CPU]
-            if dev == "cuda":
-                activities.append(ProfilerActivity.CUDA)
-                torch.cuda.synchronize()
-            n = 20 if dev == "cuda" else 2
-            with profile(activities=activities) as prof:
-                for _ in range(n):
-                    fn(dP, M)
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-            if rep == reps[-1]:
-                (out / f"unpack_trace_{name}.txt").write_text(
-                    prof.key_averages().table(
-                        sort_by="self_cpu_time_total", row_limit=25
-                    )  # fmt: skip
-                )
-            host, wall = _host_and_wall(lambda: fn(dP, M), dev, n)
-            gpu = bench.time_fn(lambda: fn(dP, M)).median if dev == "cuda" else nan
-            rows.append({
-                "unpack": name, "n_edges": E, "wall_ms": wall, "host_ms": host,
-                "syncs": audit.syncs, "h2d": audit.h2d,
-                "sync_api_calls": _api_calls(prof, sync_api) / n, "gpu_ms": gpu,
-                **bench.provenance(torch.float32),
-            })  # fmt: skip
-            print(f"unpack {name} E={E}: {rows[-1]['wall_ms']:.3f} ms", flush=True)
-        bench.write_csv(rows, out / "unpack.csv")
-    return "done"
-
-
-def _host_and_wall(fn, dev: str, n: int) -> tuple[float, float]:
+def _host_and_wall(fn, n: int) -> tuple[float, float]:
     """Per call, over ``n`` back-to-back calls: the host's time to return from the
-    call, and the wall time until the device is done (ms)."""
+    call, and the wall time until the GPU is done (ms)."""
     fn()
-    if dev == "cuda":
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     host = 0.0
     t0 = time.perf_counter()
     for _ in range(n):
         t = time.perf_counter()
         fn()
         host += time.perf_counter() - t
-    if dev == "cuda":
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return host / n * 1e3, wall / n * 1e3
 
@@ -236,74 +112,39 @@ def _sync_debug(fn) -> str:
 def _busy(fn, n: int) -> tuple[float, float]:
     """The GPU's busy fraction and device ops (kernels, copies, fills) per call over
     ``n`` back-to-back calls: their time from the profiler over the wall time from
-    the first launch to the end of the last one."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    ops = [e for e in prof.events() if _on_device(e)]
+    the first launch to the end of the last one (:func:`~.common.profiled`)."""
+    prof, wall_s = profiled(fn, n)
+    ops = [e for e in prof.events()  # not a user annotation: it spans a region
+           if not getattr(e, "is_user_annotation", False)
+           and str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"]  # fmt: skip
     spans = sorted((e.time_range.start, e.time_range.end) for e in ops)
     busy_us, end = 0.0, -math.inf
     for a, b in spans:  # the union: nested or concurrent intervals count once
         if b > end:
             busy_us += b - max(a, end)
             end = b
-    return busy_us / wall_us, len(ops) / n
-
-
-def _on_device(e) -> bool:
-    """A kernel, memcpy or memset: an interval of the GPU's time (not a user
-    annotation, which spans the kernels of a labelled region)."""
-    if getattr(e, "is_user_annotation", False):
-        return False
-    return str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA"
+    return busy_us / (wall_s * 1e6), len(ops) / n
 
 
 def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:
-    """One row of steps.csv (step schema): the eager step, or a GraphStep built (and
-    captured) with this headroom, then timed."""
-    from ecekern.graph_step import GraphStep
-    from ecekern.model import force_step
-
-    pos, numbers, graph = inputs
-    N = pos.shape[0]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    holder = {}
-    if mode == "eager":
-        fn = lambda: force_step(model, *inputs)
-        peak = bench.peak_memory(fn)
-    else:
-
-        def build():
-            kw = {} if headroom is None else {"headroom": headroom}
-            holder["step"] = GraphStep(model, numbers, **kw)
-            holder["step"](pos, graph)
-
-        peak = bench.peak_memory(build)  # the graph's pool keeps this memory
-        capture_s = time.perf_counter() - t0
-        fn = lambda: holder["step"](pos, graph)
+    """One row of steps.csv (step schema, :func:`~.common.force_row`): the eager
+    step, or a GraphStep built (and captured) with this headroom; then the host's
+    time, the wall time and the GPU's busy fraction over back-to-back steps."""
+    N = inputs[0].shape[0]
     n = 20 if N <= 512 else 5
-    t = bench.time_fn(fn, rep_ms=200.0 if N <= 512 else 0.0, min_reps=10)
-    host, wall = _host_and_wall(fn, "cuda", n)
-    busy, ops = _busy(fn, n)
-    replay = mode == "replay"
-    row = schema.step_row(
-        label, N, graph.n_edges, mode, "float32", schema.plan(PATHS[label]), t, peak,
-        headroom=holder["step"].headroom if replay else "",
-        capacity=holder["step"].capacity if replay else "",
-        wall_ms=wall, host_ms=host, gpu_busy=busy, gpu_ops_per_step=ops,
-        capture_s=capture_s if replay else "",
-    )  # fmt: skip
-    print(f"steps {label} {mode} {headroom} {N}: {t.median:.2f} ms, host "
-          f"{host:.2f} ms, busy {busy:.2f}", flush=True)  # fmt: skip
-    return row
+
+    def more(fn):
+        host, wall = _host_and_wall(fn, n)
+        busy, ops = _busy(fn, n)
+        print(f"steps {label} {mode} {headroom} {N}: host {host:.2f} ms, busy "
+              f"{busy:.2f}", flush=True)  # fmt: skip
+        return {"wall_ms": wall, "host_ms": host, "gpu_busy": busy,
+                "gpu_ops_per_step": ops}  # fmt: skip
+
+    graph_kw = {} if headroom is None else {"headroom": headroom}
+    plan, rep_ms = schema.plan(PATHS[label]), 200.0 if N <= 512 else 0.0
+    return force_row(label, model, inputs, plan, mode, rep_ms, graph_kw=graph_kw,
+                     min_reps=10, more=more)  # fmt: skip
 
 
 def _steps(run, arg: str) -> str:
@@ -327,5 +168,5 @@ def _steps(run, arg: str) -> str:
     return "done"
 
 
-PARTS = {"unpack": _unpack, "audit": _audit, "steps": _steps}
+PARTS = {"audit": _audit, "steps": _steps}
 GPU_ONLY = ("steps",)

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from .. import bench, options
-from . import PROGRESS_ROWS, schema
-from .common import compile_model, for_boxes, force_row, free, step_error, sync
+from . import progress_order, schema
+from .common import compile_model, for_boxes, force_row, free, profiled, step_error
 from .reference import peer_models
 from .stages import stage_times
 
@@ -92,15 +92,6 @@ COMPILED = {
 BUDGET_S = 330.0
 
 
-def _sort_key(r: dict):
-    label = r["system"]
-    return (
-        r["n_atoms"],
-        r["precision"] != "float32",
-        PROGRESS_ROWS.index(label) if label in PROGRESS_ROWS else len(PROGRESS_ROWS),
-    )
-
-
 class _Table:
     """progress.csv, rewritten in the table's order after every row."""
 
@@ -109,7 +100,7 @@ class _Table:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        self.rows.sort(key=_sort_key)
+        self.rows.sort(key=progress_order)
         schema.write(self.rows, self.path)
 
 
@@ -246,19 +237,9 @@ def capture(
 def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
     """Rows of stages.csv: one force step's forward and backward kernel time by
     stage (``iters`` steps profiled, per step; on a CPU, CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from .stages import cpu_us, device_us
 
-    step()
-    sync(dev)
-    activities = [ProfilerActivity.CPU]
-    if dev == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(iters):
-            step()
-        sync(dev)
+    prof = profiled(step, iters, dev)[0]
     time_us = device_us if dev == "cuda" else cpu_us
     times = stage_times(prof.events(), time_us, iters=iters)
     prov = bench.provenance(torch.float32)

@@ -67,42 +67,43 @@ def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"
         yield label, model
 
 
-def _boxes(run) -> list[int]:
-    """``--boxes`` (diamond repeats), else 2 and 4 with ``--quick``, else 4 and 8."""
-    if run.boxes:
-        return [int(b) for b in run.boxes.split(",")]
-    return [2, 4] if run.quick else [4, 8]
-
-
 def _progress(run, arg: str) -> dict:
     """progress.csv and stages.csv (:func:`ecekern.captures.progress.capture`);
     ``progress=SECONDS``: its time budget."""
     from . import progress
 
     budget = float(arg) if arg else None
-    return progress.capture(run.out, _boxes(run), quick=run.quick, budget_s=budget)
+    return progress.capture(
+        run.out, run.reps(quick=(2, 4)), quick=run.quick, budget_s=budget
+    )
 
 
 _ncu = ncu_part({"force_step": ("force_step", None)}, timeout=180)
 
 
-def _inputs(rep: int, dtype: torch.dtype):
+def _reference_row(rep: int, dtype=torch.float32, rep_ms: float = 400.0) -> dict:
+    """A row of the reference's force step on ``diamond(rep)`` in ``dtype`` (TF32 as
+    switched now), strict options (:data:`REFERENCE`): time and peak memory, its
+    forward alone (``forward_ms``) and the graph's build time (``graph_ms_wall``)."""
     import ecekern
     from ecekern.model import prepare_inputs
 
-    cfg = ecekern.ECEConfig()
-    atoms = ecekern.systems.diamond(rep)
-    return cfg, prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
+    cfg, atoms = ecekern.ECEConfig(), ecekern.systems.diamond(rep)
+    t0 = time.perf_counter()
+    inputs = prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
+    torch.cuda.synchronize()
+    g_ms = (time.perf_counter() - t0) * 1e3
+    model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
+    with options.use(**REFERENCE):
+        return force_row("reference", model, inputs, schema.plan(REFERENCE),
+                         rep_ms=rep_ms, forward=True, graph_ms_wall=g_ms)  # fmt: skip
 
 
 def _reference(run, arg: str) -> str:
     """force_step.csv: the reference at the standard boxes, strict fp32, fp32 +
-    TF32, fp64, with its forward alone and the graph's build time."""
-    import ecekern
-    from ecekern.model import prepare_inputs
-
+    TF32, fp64 (:func:`_reference_row`)."""
     rows = []
-    for rep in _boxes(run):
+    for rep in run.reps(quick=(2, 4)):
         for dtype, tf32 in [
             (torch.float32, False),
             (torch.float32, True),
@@ -110,26 +111,16 @@ def _reference(run, arg: str) -> str:
         ]:
             bench.set_tf32(tf32)
             try:
-                cfg, atoms = ecekern.ECEConfig(), ecekern.systems.diamond(rep)
-                t0 = time.perf_counter()
-                inputs = prepare_inputs(atoms, cfg.cutoff, dtype, "cuda")
-                torch.cuda.synchronize()
-                g_ms = (time.perf_counter() - t0) * 1e3
-                model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
-                with options.use(**REFERENCE):
-                    row = force_row("reference", model, inputs, schema.plan(REFERENCE),
-                                    forward=True, graph_ms_wall=g_ms)  # fmt: skip
-                rows.append(row)
+                rows.append(_reference_row(rep, dtype))
                 schema.write(rows, run.out / "force_step.csv")
             finally:
                 bench.set_tf32(False)
-                model = inputs = None
                 free()
     return "done"
 
 
 def _profiles(run, arg: str) -> str:
-    """Profiles of the strict-fp32 reference: the force step and the forward."""
+    """Profiles of the strict-fp32 reference's force step."""
     from ecekern.model import force_step
 
     def body(rep, model, inputs):
@@ -137,54 +128,35 @@ def _profiles(run, arg: str) -> str:
         with options.use(**REFERENCE):
             profile_table(lambda: force_step(model, *inputs), run.out,
                           f"profile_step_{n}")  # fmt: skip
-            with torch.no_grad():
-                profile_table(lambda: model(*inputs), run.out, f"profile_forward_{n}")
 
-    for_boxes(run, body, reps=_boxes(run))
+    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     return "done"
 
 
 def _peers(run, arg: str) -> dict:
-    """The peers at the same width and degree, strict fp32: the reference under
-    ``torch.compile`` (a fresh compile per box: static shapes, as a user with one
-    system has), e3nn's and cuEquivariance's tensor-product convolutions."""
-    import ecekern
+    """peers.csv: the reference under ``torch.compile``, strict fp32, its forward too
+    (a fresh compile per box: static shapes, as a user with one system has); e3nn's
+    and cuEquivariance's convolutions are rows of the ``progress`` part."""
+    rows, info, plan = [], {}, schema.plan({**REFERENCE, "compile": True})
 
-    rows, info, out = [], {}, run.out / "peers.csv"
-    compiled_plan = schema.plan({**REFERENCE, "compile": True})
-    for rep in _boxes(run):
-        cfg, inputs = _inputs(rep, torch.float32)
-        model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
+    def body(rep, model, inputs):
         try:
             with options.use(**REFERENCE):
                 compiled, compile_s = compile_model(model, inputs)
                 name = "reference + torch.compile"
-                rows.append(force_row(name, compiled, inputs, compiled_plan,
-                                      forward=True, compile_s=compile_s))  # fmt: skip
-            schema.write(rows, out)
+                rows.append(force_row(name, compiled, inputs, plan, forward=True,
+                                      compile_s=compile_s))  # fmt: skip
+            schema.write(rows, run.out / "peers.csv")
         except Exception as exc:
             info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
-        model = compiled = None
-        free()
-        for name, peer in peer_models(cfg, torch.float32, info, f"box {rep}"):
-            try:
-                rows.append(force_row(name, peer, inputs, forward=True))
-                schema.write(rows, out)
-            except Exception as exc:
-                info[f"{name}: box {rep}"] = f"failed: {exc!r}"[:500]
-            peer = None
-            free()
-        inputs = None
-        free()
-    schema.write(rows, out)
+
+    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     return info
 
 
 def _scaling(run, arg: str) -> dict:
-    """Time and peak memory against system size, strict fp32, until memory runs
-    out or the time budget is spent."""
-    import ecekern
-
+    """Time and peak memory against system size, strict fp32 (:func:`_reference_row`),
+    until memory runs out or the time budget is spent."""
     rows, info = [], {}
     reps = [2, 3, 4] if run.quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
     t_start = time.time()
@@ -193,19 +165,12 @@ def _scaling(run, arg: str) -> dict:
             info["scaling_stopped"] = f"time budget reached before {8 * rep**3} atoms"
             break
         try:
-            cfg, inputs = _inputs(rep, torch.float32)
-            model = ecekern.ECEModel(cfg).to(device="cuda", dtype=torch.float32)
-            with options.use(**REFERENCE):
-                rep_ms = 200.0 if rep < 10 else 50.0
-                row = force_row("reference", model, inputs, schema.plan(REFERENCE),
-                                rep_ms=rep_ms, forward=True)  # fmt: skip
-            rows.append(row)
+            rows.append(_reference_row(rep, rep_ms=200.0 if rep < 10 else 50.0))
             schema.write(rows, run.out / "scaling.csv")
         except torch.cuda.OutOfMemoryError:
             info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
             break
         finally:
-            model = inputs = None
             free()
     schema.write(rows, run.out / "scaling.csv")
     return info

@@ -69,9 +69,14 @@ class Run:
     info: dict = field(default_factory=dict)
 
     def reps(self, full=(4, 8), quick=(4,), cpu=(1,)) -> list[int]:
-        """The diamond repeats to measure: ``cpu`` without a GPU, ``quick`` with
-        ``--quick``, ``full`` otherwise (512 and 4096 atoms)."""
-        return list(cpu if self.dev != "cuda" else (quick if self.quick else full))
+        """The diamond repeats to measure: ``cpu`` without a GPU, else ``--boxes``
+        where given, ``quick`` with ``--quick``, ``full`` otherwise (512 and 4096
+        atoms)."""
+        if self.dev != "cuda":
+            return list(cpu)
+        if self.boxes:
+            return [int(b) for b in self.boxes.split(",")]
+        return list(quick if self.quick else full)
 
 
 def parse_parts(parts: str, known) -> dict[str, str]:

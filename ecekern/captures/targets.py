@@ -1,17 +1,12 @@
 """Programs for Nsight Compute: ``python -m ecekern.captures.targets NAME``.
 
 Each runs its work a few times to warm up, then once more inside the NVTX range
-``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects. The launches a
-capture chose reach a target through this process's environment only
-(``ECEKERN_CAPTURE_LINEAR``, ``ECEKERN_CAPTURE_ZONAL``: JSON of
-:func:`ecekern.captures.common.launch_to_json`); without them each target runs the
-library's own choice.
+``ece`` that the capture's ``ncu --nvtx --nvtx-include ece/`` selects, at the
+library's own launches.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
@@ -27,10 +22,6 @@ def _in_range(fn, warmup: int = 2):
     torch.cuda.nvtx.range_pop()
 
 
-def _launches(name: str, default):
-    return json.loads(os.environ.get(name) or "null") or default
-
-
 def copy():
     # an elementwise kernel: a same-dtype copy_ is a cudaMemcpy, which ncu cannot see
     src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
@@ -44,33 +35,18 @@ def gemm():
     _in_range(lambda: a @ b)
 
 
-def _step(repeats: int):
-    """The book's model and the prepared inputs of ``diamond(repeats)``, fp32."""
+def force_step(repeats: int = 4):
+    """The reference's force step on ``diamond(repeats)``, strict fp32 (chapter 1)."""
     import ecekern
+    from ecekern import options
     from ecekern.model import force_step as step
     from ecekern.model import prepare_inputs
 
     model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
     atoms = ecekern.systems.diamond(repeats)
     inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
-    return lambda: step(model, *inputs)
-
-
-def force_step(repeats: int = 4):
-    """The reference's force step, strict fp32 (chapter 1)."""
-    from ecekern import options
-
-    step = _step(repeats)
     with options.use(reference=True):
-        _in_range(step)
-
-
-def default_step(repeats: int = 8):
-    """The library's default force step on the 4096-atom diamond, fp32 (every
-    chapter on, the stack on chapter 6's layer kernels in 3xTF32), one step. Its
-    backward runs on autograd's own thread, outside the NVTX range: select the
-    step's kernels with ``--launch-skip`` and ``--launch-count`` instead."""
-    _in_range(_step(repeats))
+        _in_range(lambda: step(model, *inputs))
 
 
 def edge_frame(rep: int = 8):
@@ -104,34 +80,15 @@ def _eqlin_inputs(E: int, F: int, n_ang: int):
     bench.set_tf32(False)
 
 
-def _eqlin_kernel(kernel: str, launch, tf32: bool, w):
-    """``fn(x, b) -> y`` of one kernel at one launch against ``w``, with what the
-    kernel reads prepared here, outside the profiled range."""
-    from ecekern.linear import gluon_fma, gluon_tc, triton_modes
-
-    if kernel == "fma":  # the kernel reads W with O contiguous
-        w_o = w.transpose(1, 2).contiguous().transpose(1, 2)
-        return lambda x, b: gluon_fma.fma_fwd(x, w_o, b, launch)
-    if kernel == "tc":
-        return lambda x, b: gluon_tc.tc_fwd(x, w, b, launch)
-    return lambda x, b: triton_modes.triton_fwd(x, w, b, launch, tf32)
-
-
 def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
     """The forward (cos, then sin) in strict fp32, TF32 and bf16, each at the
-    capture's chosen kernel and launch (``ECEKERN_CAPTURE_LINEAR``, by dtype label)
-    or the library's choice, then strict fp32 with the Triton kernel at
-    ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced): the
-    last two kernels."""
-    from ecekern.captures.common import launch_from_json
+    library's choice of kernel and launch, then strict fp32 with the Triton kernel
+    at ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced):
+    the last two kernels."""
     from ecekern.linear import autograd, plan, triton_modes
 
-    chosen = _launches("ECEKERN_CAPTURE_LINEAR", {})
-    for label, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
-        if label in chosen:
-            fn = _eqlin_kernel(*launch_from_json(chosen[label]), tf32, w)
-        else:
-            fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
+    for _, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
+        fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
         _in_range(lambda x=x, b=b, fn=fn: (fn(x[0], b), fn(x[1], None)))
     x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
     w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
@@ -156,29 +113,14 @@ def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
 
 
 def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
-    """The gather (backward), then the forward, at each launch of
-    ``ECEKERN_CAPTURE_ZONAL`` (the capture's fastest, then the library's where they
-    differ), or at the library's launch."""
+    """The gather (backward), then the forward, at the library's launch."""
     from ecekern import zonal
-    from ecekern.captures.common import launch_from_json, launch_to_json
-    from ecekern.graph import csr_row_ptr
+    from ecekern.captures.zonal import random_scatter
 
-    default = [launch_to_json("zonal", zonal.ZonalLaunch())]
-    N = E // 89
-    dst = torch.sort(torch.randint(0, N, (E,), device="cuda")).values
-    row_ptr = csr_row_ptr(dst, N)
-    Z = torch.randn(E, (L + 1) ** 2 - 1, device="cuda")
-    R = torch.randn(E, L, C, device="cuda")
-    G = torch.randn(N, (L + 1) ** 2, C, device="cuda")
-    for d in _launches("ECEKERN_CAPTURE_ZONAL", default):
-        _, ln = launch_from_json(d)
-        _in_range(
-            lambda ln=ln: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=ln)
-        )
-        _in_range(
-            lambda ln=ln: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=ln),
-            warmup=1,
-        )
+    _, dst, row_ptr, *zrg = random_scatter(E, L, C, "cuda", 0)
+    Z, R, G = (t.float() for t in zrg)
+    _in_range(lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1))
+    _in_range(lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1), warmup=1)
 
 
 def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
@@ -249,17 +191,13 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
                   cohort_edges=E)  # fmt: skip
 
 
-def cohorts_stack_recompute(E: int = 65_536):
-    """:func:`cohorts_stack` with ``recompute``."""
-    cohorts_stack(E, recompute=True)
-
-
+#: The programs by name; ``cohorts_stack_recompute``: :func:`cohorts_stack` with
+#: ``recompute``.
 TARGETS = {
     f.__name__: f
-    for f in (cohorts_layers, cohorts_stack, cohorts_stack_recompute, copy, gemm,
-              force_step, default_step, eqlin_triton, eqlin_dense, zonal_fused,
-              edge_frame)
-}  # fmt: skip
+    for f in (cohorts_layers, cohorts_stack, copy, gemm, force_step, eqlin_triton,
+              eqlin_dense, zonal_fused, edge_frame)
+} | {"cohorts_stack_recompute": lambda: cohorts_stack(recompute=True)}  # fmt: skip
 
 if __name__ == "__main__":
     TARGETS[sys.argv[1]]()

@@ -1,46 +1,20 @@
-"""Chapter 5's capture: the zonal scatter, reference vs fused, over E, L and C.
+"""Chapter 5's capture: the zonal scatter, reference vs fused, in the force step.
 
 Parts (``parts``, comma-separated):
 
-* ``launch`` -> launch_sweep.csv: ``ZonalLaunch`` variants of the degrees forward and
-  of the edge gather at E = 365k, L = 3, C = 32, fp32, each timed (GPU time: CUDA
-  graph replay) and checked against float64; the fastest of each is reported (the
-  library's launch is ``zonal.ZonalLaunch()``'s defaults: a human changes them);
-* ``sweep`` -> scatter_sweep.csv: forward and forward + backward times, peak memory,
-  the DRAM floor and the error against float64, the fused op at the library's launch
-  (``zonal._scatter_op``, past the CUDA gate);
 * ``steps`` -> model_steps.csv and profile_*: the force and training steps with the
   reference and the fused scatter (the linear on the einsum: only the scatter
   changes);
-* ``ncu`` -> ncu_fused.csv: the gather and the forward at the sweep's fastest launch
-  (the library's without ``launch``), then at the library's if it differs.
+* ``ncu`` -> ncu_fused.csv: the gather and the forward at the library's launch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from pathlib import Path
-
 import torch
 
-from .. import bench
-from . import schema
-from .common import (
-    LaunchCase,
-    ceilings,
-    free,
-    launch_sweep,
-    launch_to_json,
-    launches_env,
-    ncu_part,
-    option_steps,
-    profile_table,
-    rel_err_gpu,
-    timing_columns,
-)
+from .common import BEFORE_CH6, ncu_part, option_steps, profile_table
 
-__all__ = ["PARTS", "launch_label"]
+__all__ = ["PARTS", "launch_label", "random_scatter"]
 
 
 def launch_label(launch) -> str:
@@ -58,221 +32,27 @@ def notes(run) -> dict:
     return {"config": launch_label(zonal.ZonalLaunch())}
 
 
-def _launch_part(run, arg: str) -> dict:
-    from .. import zonal
-
-    chosen = _launch(run.out, run.quick, run.dev)
-    note = {
-        "launch": launch_label(chosen),
-        "launch_json": launch_to_json("zonal", chosen),
-    }
-    if chosen != zonal.ZonalLaunch():
-        note["launch_note"] = "the sweep's fastest differs from the library's"
-    return note
-
-
-# --------------------------------------------------------------------------------------
-# launch sweep
-# --------------------------------------------------------------------------------------
-def launch_cases(L, C, E, nbytes, floor, quick) -> list[LaunchCase]:
-    """The forward's (BLOCK_E, warps, stages of the CSR walk) and the gather's
-    (BLOCK_E, warps) as ``ZonalLaunch`` objects: BLOCK_E times the padded rows and
-    channels of one edge is the tile."""
-    from .. import zonal
-    from .._triton import triton
-
-    C_PAD = triton.next_power_of_2(C)
-    S_PAD = triton.next_power_of_2((L + 1) ** 2 - 1)
-    base = zonal.ZonalLaunch()
-    cases = []
-    sizes = (4, 8, 16) if quick else (4, 8, 16, 32)
-    problem = f"E={E}, L={L}, C={C}"
-    for be, warps, stages in itertools.product(sizes, (1, 2, 4), (1, 3, 4)):
-        tile = be * zonal.fwd_rows(L) * C_PAD
-        launch = dataclasses.replace(
-            base, fwd_tile=tile, fwd_warps=warps, fwd_stages=stages
-        )
-        keys = {"variant": "degrees", "block_e": be, "warps": warps, "stages": stages}
-        cases.append(LaunchCase("forward", launch, "forward", problem, E,
-                                keys | {"acc": "edge"}, nbytes=nbytes,
-                                columns={"floor_ms": floor}))  # fmt: skip
-    for be, warps in itertools.product(sizes, (1, 2, 4)):
-        launch = dataclasses.replace(base, bwd_tile=be * S_PAD * C_PAD, bwd_warps=warps)
-        keys = {"variant": "edge", "block_e": be, "warps": warps, "stages": 1}
-        cases.append(LaunchCase("backward", launch, "backward", problem, E,
-                                keys | {"acc": ""}))  # fmt: skip
-    return cases
-
-
-def _launch(out: Path, quick: bool, dev: str):
-    """The launch sweep; returns the library's launch with the fastest forward's and
-    the fastest gather's fields."""
-    from .. import reference, zonal
+def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
+    """A random scatter of ``E`` edges onto ``N = E // 89`` atoms (the diamond's
+    in-degree), float64: ``(N, dst, row_ptr, Z, R, G)``, ``dst`` sorted with its CSR
+    ``row_ptr``, ``Z`` ``(E, S - 1)`` and ``R`` ``(E, L, C)`` the edges' inputs and
+    ``G`` ``(N, S, C)`` an output's gradient (S = (L + 1)^2)."""
     from ..graph import csr_row_ptr
 
-    E, L, C = (20_000, 3, 32) if quick else (365_000, 3, 32)
-    if dev != "cuda":
-        E, L, C = 300, 2, 8
-    N = max(1, E // 89)
-    S = (L + 1) ** 2
-    g = torch.Generator(device=dev).manual_seed(7)
+    N, S = max(1, E // 89), (L + 1) ** 2
+    g = torch.Generator(device=dev).manual_seed(seed)
     dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
-    row_ptr = csr_row_ptr(dst, N)
-    Z64 = torch.randn(E, S - 1, device=dev, dtype=torch.float64, generator=g)
-    R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
-    G64 = torch.randn(N, S, C, device=dev, dtype=torch.float64, generator=g)
-    Zr, Rr = Z64.clone().requires_grad_(), R64.clone().requires_grad_()
-    h64 = reference.zonal_scatter(Zr, Rr, dst, row_ptr, 0.1)
-    dz64, dr64 = torch.autograd.grad(h64, (Zr, Rr), G64)
-    Z, R, G = Z64.float(), R64.float(), G64.float()
-    model = zonal.traffic(E, N, L, C, 4)
-    floor = bench.floor_ms(model["bytes_fwd"], 0, ceilings()["copy_GBps"])
-    cases = launch_cases(L, C, E, model["bytes_fwd"], floor, quick or dev != "cuda")
-    if dev != "cuda":  # the interpreter runs every launch at BLOCK_E = 16: a few
-        cases = cases[:2] + [c for c in cases if c.group == "backward"][:2]
-
-    def run(case):
-        if case.group == "forward":
-            return zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1, launch=case.launch)
-        return zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1, launch=case.launch)
-
-    def check(case, got):
-        if case.group == "forward":
-            return rel_err_gpu(got, h64)
-        return max(rel_err_gpu(got[0], dz64), rel_err_gpu(got[1], dr64))
-
-    best = launch_sweep(cases, run, check, out / "launch_sweep.csv")
-    chosen = zonal.ZonalLaunch()
-    fields = {"forward": ("fwd_tile", "fwd_warps", "fwd_stages"),
-              "backward": ("bwd_tile", "bwd_warps")}  # fmt: skip
-    for group, names in fields.items():
-        if group in best:
-            won = {k: getattr(best[group].launch, k) for k in names}
-            chosen = dataclasses.replace(chosen, **won)
-    free()
-    return chosen
+    rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.float64,
+                                     generator=g)  # fmt: skip
+    return N, dst, csr_row_ptr(dst, N), rnd(E, S - 1), rnd(E, L, C), rnd(N, S, C)
 
 
-# --------------------------------------------------------------------------------------
-# the sweep over E, L and C
-# --------------------------------------------------------------------------------------
-def _cases(quick: bool, dev: str) -> list[tuple[int, int, int]]:
-    small = (4096, 3, 32) if dev == "cuda" else (300, 2, 8)
-    if quick:
-        return [small]
-    return (
-        [(E, 3, 32) for E in (46_000, 365_000, 1_000_000, 3_000_000)]
-        + [(365_000, L, 32) for L in (1, 2, 4)]
-        + [(365_000, 3, C) for C in (16, 64, 100)]
-    )
-
-
-def _sweep(run, arg: str) -> str:
-    """Rows of scatter_sweep.csv."""
-    from .. import reference, zonal
-    from ..graph import csr_row_ptr
-
-    out, quick, dev = run.out, run.quick, run.dev
-    ceil = ceilings()
-    label = launch_label(zonal.ZonalLaunch())
-    rows: list[dict] = []
-    ops = {"reference": reference.zonal_scatter, "fused": zonal._scatter_op}
-    for E, L, C in _cases(quick, dev):
-        N = max(1, E // 89)
-        g = torch.Generator(device=dev).manual_seed(E + L + C)
-        dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
-        row_ptr = csr_row_ptr(dst, N)
-        Z64 = torch.randn(
-            E, (L + 1) ** 2 - 1, device=dev, dtype=torch.float64, generator=g
-        )
-        R64 = torch.randn(E, L, C, device=dev, dtype=torch.float64, generator=g)
-        truth = reference.zonal_scatter(Z64, R64, dst, row_ptr, 0.1)
-        Z, R = Z64.float().requires_grad_(), R64.float().requires_grad_()
-        model = zonal.traffic(E, N, L, C, 4)
-        floor = bench.floor_ms(model["bytes_fwd"], 0, ceil["copy_GBps"])
-        problem = f"E={E}, L={L}, C={C}"
-        for name, fn in ops.items():
-            try:
-                t, cols = _sweep_row(fn, name == "fused", Z, R, dst, row_ptr, truth)
-            except Exception as exc:
-                err = repr(exc)[:300]
-                rows.append(schema.kernel_row(name, problem, E, "float32", None,
-                                              L=L, C=C, error=err))  # fmt: skip
-                schema.write(rows, out / "scatter_sweep.csv", schema.KERNEL_COLUMNS)
-                continue
-            gpu_f, b2b_f = cols["forward_gpu_ms"], cols["forward_b2b_ms"]
-            rows.append(schema.kernel_row(
-                name, problem, E, "float32", t, model["bytes_fwd"], N=N, L=L, C=C,
-                **cols, floor_ms=floor, floor_fraction=floor / t.median,
-                floor_fraction_gpu=floor / gpu_f, floor_fraction_b2b=floor / b2b_f,
-                config=label if name == "fused" else "",
-            ))  # fmt: skip
-            print(name, E, L, C, f"fwd {t.median:.3f} ms (gpu {gpu_f:.3f}, b2b "
-                  f"{b2b_f:.3f}) fwd+bwd {cols['fwd_bwd_ms']:.3f} ms (gpu "
-                  f"{cols['fwd_bwd_gpu_ms']:.3f}) err {cols['rel_err_vs_fp64']:.1e}",
-                  flush=True)  # fmt: skip
-            schema.write(rows, out / "scatter_sweep.csv", schema.KERNEL_COLUMNS)
-        free()
-
-
-def _sweep_row(fn, fused: bool, Z, R, dst, row_ptr, truth) -> tuple:
-    """One op at one shape: its eager forward's Timing and its other columns: eager
-    times, and for the fused op its kernels' GPU time alone (CUDA graph replay: the
-    op's host-side launch cost is larger than its kernels at small E) and back to
-    back. The backward's kernel is the gather
-    (autograd's engine is not graphed; the reference checks its CSR on the host: not
-    capturable)."""
-    from .. import zonal
-
-    args = (Z.detach(), R.detach(), dst, row_ptr, 0.1)
-    h = fn(Z, R, dst, row_ptr, 0.1)
-    err = rel_err_gpu(h, truth)
-    G = torch.randn_like(h)
-    t_f = bench.time_fn(lambda: fn(Z, R, dst, row_ptr, 0.1))
-
-    def fwd_bwd():
-        torch.autograd.backward(fn(Z, R, dst, row_ptr, 0.1), G)
-
-    t_fb = bench.time_fn(fwd_bwd)
-    mem = bench.peak_memory(fwd_bwd)
-    g_f = g_fb = b_f = b_fb = None
-    if fused:
-        g_f = bench.time_graph(lambda: zonal._scatter_op(*args))
-        g_fb = bench.time_graph(
-            lambda: (zonal._scatter_op(*args), zonal._gather_op(G, *args))
-        )
-        # back to back, alternating between two copies of the inputs (together past
-        # the 60 MB of L2 from E = 365k up)
-        args2 = (Z.detach().clone(), R.detach().clone(), *args[2:])
-        b_f = bench.time_back_to_back(
-            [lambda a=a: zonal._scatter_op(*a) for a in (args, args2)]
-        )
-        b_fb = bench.time_back_to_back(
-            [
-                lambda a=a: (zonal._scatter_op(*a), zonal._gather_op(G, *a))
-                for a in (args, args2)
-            ]
-        )
-    nan = bench.Timing(float("nan"), float("nan"), float("nan"), 0)  # not timed
-    g_f, g_fb, b_f, b_fb = (x or nan for x in (g_f, g_fb, b_f, b_fb))
-    return t_f, {
-        "fwd_bwd_ms": t_fb.median, **timing_columns("forward_gpu", g_f),
-        "fwd_bwd_gpu_ms": g_fb.median, **timing_columns("forward_b2b", b_f),
-        "fwd_bwd_b2b_ms": b_fb.median, "peak_MiB": mem / 2**20,
-        "rel_err_vs_fp64": err,
-    }  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------
-# model steps
-# --------------------------------------------------------------------------------------
 #: The options of the steps: the reference scatter against the fused op, the linear
 #: on the einsum (only the scatter changes).
-STEP_OPTIONS = {  # (the stack as before chapter 6: the linears, no cohorts)
-    scatter: {"linear": "einsum", "zonal": scatter, "stack": "linears",
-              "memory": "plain"}
+STEP_OPTIONS = {
+    scatter: {"linear": "einsum", "zonal": scatter, **BEFORE_CH6}
     for scatter in ("reference", "fused")
-}  # fmt: skip
+}
 
 
 def _train(model, pos, numbers, graph):
@@ -305,18 +85,6 @@ def _model_steps(run, arg: str) -> str:
     return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
-def _ncu_env(run) -> dict:
-    """The sweep's fastest launch (the library's without ``launch``), then the
-    library's if it differs, for the ``zonal_fused`` target."""
-    from .. import zonal
-
-    library = launch_to_json("zonal", zonal.ZonalLaunch())
-    launches = [run.info.get("launch_json", library)]
-    if launches[0] != library:
-        launches.append(library)
-    return launches_env("ECEKERN_CAPTURE_ZONAL", launches)
-
-
-_ncu = ncu_part({"fused": ("zonal_fused", None)}, env=_ncu_env)
-PARTS = {"launch": _launch_part, "sweep": _sweep, "steps": _model_steps, "ncu": _ncu}
-GPU_ONLY = ("steps", "ncu")
+_ncu = ncu_part({"fused": ("zonal_fused", None)})
+PARTS = {"steps": _model_steps, "ncu": _ncu}
+GPU_ONLY = tuple(PARTS)
