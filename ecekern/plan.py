@@ -107,7 +107,7 @@ class StepPlan:
         geometry: ``"reference"`` or ``"fused"`` (chapter 7; fused writes the
             packed frame tiles, so only beside ``edge_frame`` packed).
         radial: ``"reference"`` or ``"fused"`` (chapter 7), the kernel in
-            :attr:`radial_precision`.
+            ``radial_precision``.
         fallbacks: ``(stage, reason, what runs instead)`` for each fast path that
             could not serve.
         notes: requests that change nothing here.
