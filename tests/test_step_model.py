@@ -96,6 +96,7 @@ def test_a_force_training_step_matches_the_reference(model):
         assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.slow
 def test_a_gauge_runs_the_reference_geometry_loudly(model):
     pos, numbers, graph = _inputs()
     gauge = torch.linspace(0.1, 2.0, graph.n_edges, dtype=pos.dtype, device=DEV)
