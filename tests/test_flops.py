@@ -49,3 +49,15 @@ def test_bad_input():
         step_flops(CFG, 1, -1)
     with pytest.raises(TypeError, match="callable"):
         counted_flops(3)
+
+
+def test_graphed_force_step_needs_a_cuda_device():
+    """A peer's replay (chapter 1's progress table) says why it cannot run here."""
+    from ecekern.peers import graphed_force_step
+
+    inputs = prepare_inputs(ecekern.systems.diamond(1), CFG.cutoff, torch.float32)
+    model = ecekern.ECEModel(CFG)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: the replay runs")
+    with pytest.raises(RuntimeError, match="CUDA graphs need positions on a CUDA"):
+        graphed_force_step(model, *inputs)
