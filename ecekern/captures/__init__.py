@@ -262,12 +262,12 @@ def chapter_opening(
     reference's 4096-atom force step, forward and backward (``stages.csv``)."""
     rows = [r for r in progress_rows(root) if r["system"] == system]
     for r in rows:
-        mixed = r["mode"] != r["reference_mode"]
+        mixed = f" (vs the {r['reference_mode']} reference)"
         r["vs_ref"] = f"{r['vs_reference']:.2f}" + (
-            f" (vs the {r['reference_mode']} reference)" if mixed else ""
-        )
+            mixed if r["mode"] != r["reference_mode"] else "")  # fmt: skip
         p = r["vs_fastest_peer"]
-        r["vs_peer"] = f"{p:.2f}" if p else f"peers not measured {r['mode']} yet"
+        word = "replayed" if r["mode"] == "replay" else r["mode"]
+        r["vs_peer"] = f"{p:.2f}" if p else f"peers not measured {word} yet"
     cols = {"n_atoms": "atoms", "dtype": "precision", "mode": "mode",
             "step_ms": "force step (ms)", "vs_ref": "x vs reference",
             "vs_peer": "x vs fastest peer, same mode"}  # fmt: skip
