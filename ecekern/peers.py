@@ -24,7 +24,7 @@ from .graph import Graph, edge_vectors
 from .model import ECEConfig, _silu_mlp, species_table
 from .reference import envelope, radial_basis
 
-__all__ = ["CueqConvModel", "E3nnConvModel"]
+__all__ = ["CueqConvModel", "E3nnConvModel", "graphed_force_step"]
 
 
 class E3nnConvModel(nn.Module):
@@ -292,3 +292,38 @@ class CueqConvModel(nn.Module):
             )
             h = h + lin_out(agg, weight=w_out)
         return self.readout(h[:, :C]).sum()
+
+
+def graphed_force_step(model, positions, numbers, graph, warmup: int = 3):
+    """The force step (:func:`ecekern.model.force_step`) of any ``model(positions,
+    numbers, graph) -> energy``, captured as one CUDA graph with
+    ``torch.cuda.graph`` after ``warmup`` eager steps on a side stream.
+
+    Returns ``step(positions=None) -> (energy, forces)``: a replay on the captured
+    atoms and graph (new ``positions``, same shape, are copied in first); the
+    outputs are the graph's own tensors, overwritten by the next replay. Raises
+    ``RuntimeError`` when ``positions`` are not on a CUDA device; a model whose
+    step syncs with the host fails in the capture with torch's error."""
+    from .model import force_step
+
+    if not isinstance(positions, torch.Tensor) or positions.device.type != "cuda":
+        where = getattr(positions, "device", type(positions).__name__)
+        raise RuntimeError(f"CUDA graphs need positions on a CUDA device, got {where}")
+    static = positions.detach().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            force_step(model, static, numbers, graph)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = force_step(model, static, numbers, graph)
+
+    def step(new_positions=None):
+        if new_positions is not None:
+            static.copy_(new_positions)
+        cuda_graph.replay()
+        return out
+
+    return step

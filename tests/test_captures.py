@@ -128,7 +128,12 @@ def test_progress_rows_read_the_progress_table(tmp_path):
         t = Timing(ms, ms, ms, 5)
         return schema.step_row(system, n, 10 * n, "eager", precision, "", t, 2**20)
 
+    def replay(system, ms):
+        return row(system, 512, "float32", ms) | {"mode": "replay"}
+
     rows = [
+        replay("library defaults", 10.0),
+        replay("e3nn TP conv (NequIP-style)", 20.0),
         row("library defaults", 512, "float32", 20.0),
         row("e3nn TP conv (NequIP-style)", 512, "float32", 30.0),
         row("reference", 512, "float32", 40.0),
@@ -146,19 +151,35 @@ def test_progress_rows_read_the_progress_table(tmp_path):
     got = captures.progress_rows(tmp_path)
     assert [(r["n_atoms"], r["dtype"], r["system"]) for r in got] == [
         (512, "float32", "reference"),
+        (512, "float32", "library defaults"),  # replay before eager
         (512, "float32", "library defaults"),
         (512, "float32", "reference + torch.compile"),
+        (512, "float32", "e3nn TP conv (NequIP-style)"),
         (512, "float32", "e3nn TP conv (NequIP-style)"),
         (512, "float32+tf32", "reference"),
         (512, "float32+tf32", "library defaults"),
         (4096, "float32", "reference"),
     ]
-    by = {(r["n_atoms"], r["dtype"], r["system"]): r for r in got}
-    defaults = by[(512, "float32", "library defaults")]
+    assert [r["mode"] for r in got[1:3]] == ["replay", "eager"]
+    # a replayed row against the eager reference (the only one) says so; its peers
+    # are the replayed ones only
+    assert got[1]["vs_reference"] == pytest.approx(4.0)
+    assert got[1]["reference_mode"] == "eager"
+    assert got[1]["vs_fastest_peer"] == pytest.approx(2.0)
+    # FLOP: ours by the model of the run's config where the run has none, a peer's
+    # not invented
+    from ecekern import ECEConfig
+    from ecekern.flops import step_flops
+
+    assert got[1]["flop"] == step_flops(ECEConfig(), 512, 5120)["total"]
+    assert got[1]["flop_source"] == "model" and got[4]["flop"] is None
+    by = {(r["n_atoms"], r["dtype"], r["system"], r["mode"]): r for r in got}
+    defaults = by[(512, "float32", "library defaults", "eager")]
     assert defaults["vs_reference"] == pytest.approx(2.0)
     assert defaults["vs_fastest_peer"] == pytest.approx(25.0 / 20.0)
-    assert by[(512, "float32+tf32", "library defaults")]["vs_fastest_peer"] is None
-    assert by[(4096, "float32", "reference")]["vs_reference"] == pytest.approx(1.0)
+    tf32 = by[(512, "float32+tf32", "library defaults", "eager")]
+    assert tf32["vs_fastest_peer"] is None
+    assert by[(4096, "float32", "reference", "eager")]["vs_reference"] == 1.0
     assert defaults["chapter"] == "library defaults" and defaults["peak_MiB"] == 1
 
 
@@ -371,6 +392,7 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     table back with its ratios."""
     import ecekern
     from ecekern.captures import progress
+    from ecekern.flops import step_flops
 
     cfg = ecekern.ECEConfig(
         lmax=1, channels=8, n_gated=1, n_interactions=1, cutoff=2.0,
@@ -380,24 +402,35 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     out.mkdir()
     info = progress.capture(out, [1], budget_s=0, dev="cpu", config=cfg)
     rows = _rows(out / "progress.csv")
-    labels = [r["system"] for r in rows]
     ours, peers = list(progress.OURS), ["e3nn TP conv (NequIP-style)"]
     cueq = ["cuEquivariance TP conv (NequIP-style)"]
-    assert labels in ([*ours, *peers] * 2, [*ours, *peers, *cueq] * 2)
+    # each label replayed, then eager (the table's order)
+    labels = [(r["system"], r["mode"]) for r in rows]
+    one = [(label, m) for label in ours + peers for m in ("replay", "eager")]
+    with_cueq = [
+        (label, m) for label in ours + peers + cueq for m in ("replay", "eager")
+    ]
+    assert labels in (one * 2, with_cueq * 2)
     half = len(rows) // 2
     assert [r["precision"] for r in rows] == ["float32"] * half + [
         "float32+tf32"
     ] * half
     fused = {label for label, p in progress.CH6_STACKS if p["stack"] == "fused"}
+    flop = {r["flop"] for r in rows if r["system"] in ours}
+    assert flop == {str(step_flops(cfg, 8, int(rows[0]["n_edges"]))["total"])}
+    assert {r["flop_source"] for r in rows if r["system"] in peers} == {"counted"}
     for r in rows:
         assert r["n_atoms"] == "8"
-        assert r["mode"] == ("replay" if r["system"] in progress.REPLAYED else "eager")
+        if r["system"] in peers + cueq and r["mode"] == "replay":  # no CUDA graphs
+            assert "CUDA graphs need" in r["error"] and not r["ms"]
+            assert any("replay" in k and "failed" in v for k, v in info.items())
+            continue
         if r["system"] in fused and r.get("error"):  # no Gluon on this machine: the
             assert "FallbackWarning" in r["error"]  # row says so, and has no time
             continue
         assert not r.get("error") and float(r["ms"]) > 0 and int(r["reps"]) >= 1
     plan = {r["system"]: dict(p.split("=") for p in r["plan"].split(","))
-            for r in rows[: len(ours)]}  # fmt: skip
+            for r in rows[: 2 * len(ours)]}  # fmt: skip
     assert plan["reference"]["linear"] == "einsum"
     assert plan["+ ch2 linear"]["edge_frame"] == "reference"
     assert plan["+ ch3 edge_frame"]["edge_frame"] == "packed"
@@ -417,7 +450,8 @@ def test_progress_part_runs_as_a_smoke_test_on_the_cpu(tmp_path, quick_timing):
     assert [r["system"] for r in table] == [r["system"] for r in rows
                                             if not r.get("error")]  # fmt: skip
     assert table[0]["vs_reference"] == pytest.approx(1.0)
-    assert all(r["vs_fastest_peer"] > 0 for r in table)
+    # no replayed peer on a CPU: the eager rows have a peer in their mode
+    assert all(r["vs_fastest_peer"] > 0 for r in table if r["mode"] == "eager")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")

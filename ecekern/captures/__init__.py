@@ -103,11 +103,8 @@ def markdown_table(
 
 
 #: The progress table's peers: what a user would reach for instead of this library.
-PROGRESS_PEERS = (
-    "reference + torch.compile",
-    "e3nn TP conv (NequIP-style)",
-    "cuEquivariance TP conv (NequIP-style)",
-)
+PROGRESS_PEERS = ("reference + torch.compile", "e3nn TP conv (NequIP-style)",
+                  "cuEquivariance TP conv (NequIP-style)")  # fmt: skip
 #: The rows of chapter 1's progress table (``progress.csv``), in the table's order:
 #: our force step after each chapter, the library's defaults, and the peers.
 PROGRESS_ROWS = (
@@ -121,55 +118,57 @@ PROGRESS_ROWS = (
 
 def progress_order(r: dict) -> tuple:
     """A progress.csv row's place in the table: by size, strict fp32 first, then in
-    :data:`PROGRESS_ROWS`' order (a label it lacks last)."""
+    :data:`PROGRESS_ROWS`' order (a label it lacks last), replay before eager."""
     known = r["system"] in PROGRESS_ROWS
     i = PROGRESS_ROWS.index(r["system"]) if known else len(PROGRESS_ROWS)
-    return (r["n_atoms"], r["precision"] != "float32", i)
-
-
-def _with_ratios(rows: list[dict], is_reference, is_peer) -> list[dict]:
-    """Each row with ``vs_reference`` (the reference's step time over this row's, at
-    the same size and precision: above 1 is faster) and ``vs_fastest_peer`` (the
-    fastest peer's over this row's; None where no peer was measured)."""
-    for r in rows:
-        same = [
-            x for x in rows if (x["n_atoms"], x["dtype"]) == (r["n_atoms"], r["dtype"])
-        ]
-        ref = [x["step_ms"] for x in same if is_reference(x)]
-        peers = [x["step_ms"] for x in same if is_peer(x)]
-        r["vs_reference"] = ref[0] / r["step_ms"] if ref else None
-        r["vs_fastest_peer"] = min(peers) / r["step_ms"] if peers else None
-    return rows
+    return (r["n_atoms"], r["precision"] != "float32", i, r["mode"] != "replay")
 
 
 def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     """The progress table: the force step (energy + forces) after each chapter, the
-    library's defaults and the peers, at 512 and 4096 atoms, strict fp32 and TF32.
+    library's defaults and the peers, at 512 and 4096 atoms, strict fp32 and TF32,
+    replayed and eager, from chapter 1's ``progress.csv`` (one run of every row, step
+    schema), in :func:`progress_order`; failed rows left out.
 
-    From chapter 1's ``progress.csv`` (one run of every row, step schema): rows in
-    the table's order (:data:`PROGRESS_ROWS`) by size, then precision; rows that
-    failed are left out. Each row: ``system`` (and ``chapter``, the same label),
-    ``n_atoms``, ``n_edges``, ``dtype`` (the row's ``precision``), ``step_ms``
-    (``ms``), ``peak_MiB``, ``vs_reference``,
-    ``vs_fastest_peer``, ``device``, ``commit`` (from its provenance)."""
+    Each row: ``system`` (and ``chapter``), ``n_atoms``, ``n_edges``, ``dtype`` (the
+    row's ``precision``), ``mode``, ``step_ms``, ``peak_MiB``, ``flop`` and
+    ``flop_source`` (a run without them: ours by :func:`ecekern.flops.step_flops` of
+    the run's config, a peer's None), ``device``, ``commit``; ``vs_reference``, the
+    reference's time over this row's at the same size and precision, in
+    ``reference_mode``: this row's mode where the reference ran in it, else eager;
+    ``vs_fastest_peer``, the fastest peer's in the same mode (None: none)."""
+    from ..config import ECEConfig
+    from ..flops import step_flops
+
     base = Path(root) if root else capture_root()
+    cap = load("01_reference", base / "01_reference")
+    cfg = ECEConfig.from_dict(cap.manifest.get("progress_config", {}))
     rows = []
-    table = load("01_reference", base / "01_reference").csv("progress")
-    for r in sorted(table, key=progress_order):
+    for r in sorted(cap.csv("progress"), key=progress_order):
         if r.get("error") or r["ms"] in ("", None):
             continue
-        prov = r["provenance"]
+        flop, source = r.get("flop"), r.get("flop_source") or None
+        if flop in ("", None) and "NequIP" not in r["system"]:  # ours, a run without
+            flop, source = step_flops(cfg, r["n_atoms"], r["n_edges"])["total"], "model"
         rows.append(
             {"system": r["system"], "chapter": r["system"], "n_atoms": r["n_atoms"],
-             "n_edges": r["n_edges"], "dtype": r["precision"], "step_ms": r["ms"],
-             "peak_MiB": r["peak_MiB"], "device": prov["device"],
-             "commit": prov["commit"]}
+             "n_edges": r["n_edges"], "dtype": r["precision"], "mode": r["mode"],
+             "step_ms": r["ms"], "peak_MiB": r["peak_MiB"],
+             "flop": flop if flop != "" else None, "flop_source": source,
+             "device": r["provenance"]["device"], "commit": r["provenance"]["commit"]}
         )  # fmt: skip
-    return _with_ratios(
-        rows,
-        lambda r: r["system"] == "reference",
-        lambda r: r["system"] in PROGRESS_PEERS,
-    )
+    for r in rows:
+        same = [
+            x for x in rows if (x["n_atoms"], x["dtype"]) == (r["n_atoms"], r["dtype"])
+        ]
+        ref = {x["mode"]: x["step_ms"] for x in same if x["system"] == "reference"}
+        r["reference_mode"] = r["mode"] if r["mode"] in ref else "eager"
+        t = ref.get(r["reference_mode"])
+        r["vs_reference"] = t / r["step_ms"] if t else None
+        peers = [x["step_ms"] for x in same if x["system"] in PROGRESS_PEERS
+                 and x["mode"] == r["mode"]]  # fmt: skip
+        r["vs_fastest_peer"] = min(peers) / r["step_ms"] if peers else None
+    return rows
 
 
 NCU_COLUMNS = {
@@ -258,31 +257,27 @@ def chapter_opening(
 ) -> str:
     """The opening of a chapter, as Markdown from the one-run progress capture: the
     chapter's row of the progress table (``system``, both sizes, strict fp32 and TF32,
-    against the reference and the fastest peer), then its stages' share of the
+    each mode run, against the reference, in the mode :func:`progress_rows` says, and
+    the fastest peer in the same mode), then its stages' share of the
     reference's 4096-atom force step, forward and backward (``stages.csv``)."""
     rows = [r for r in progress_rows(root) if r["system"] == system]
-    table = markdown_table(
-        rows,
-        {
-            "n_atoms": "atoms",
-            "dtype": "precision",
-            "step_ms": "force step (ms)",
-            "vs_reference": "x vs reference",
-            "vs_fastest_peer": "x vs fastest peer",
-        },
-        {"step_ms": "{:.1f}", "vs_reference": "{:.2f}", "vs_fastest_peer": "{:.2f}"},
-    )
+    for r in rows:
+        mixed = f" (vs the {r['reference_mode']} reference)"
+        r["vs_ref"] = f"{r['vs_reference']:.2f}" + (
+            mixed if r["mode"] != r["reference_mode"] else "")  # fmt: skip
+        p = r["vs_fastest_peer"]
+        word = "replayed" if r["mode"] == "replay" else r["mode"]
+        r["vs_peer"] = f"{p:.2f}" if p else f"peers not measured {word} yet"
+    cols = {"n_atoms": "atoms", "dtype": "precision", "mode": "mode",
+            "step_ms": "force step (ms)", "vs_ref": "x vs reference",
+            "vs_peer": "x vs fastest peer, same mode"}  # fmt: skip
+    table = markdown_table(rows, cols, {"step_ms": "{:.1f}"})
     base = Path(root) if root else capture_root()
-    st = [
-        r
-        for r in load("01_reference", base / "01_reference").csv("stages")
-        if r["system"] == "reference"
-    ]
-    fwd = sum(r["forward_ms"] for r in st)
-    bwd = sum(r["backward_ms"] for r in st)
+    st = [r for r in load("01_reference", base / "01_reference").csv("stages")
+          if r["system"] == "reference"]  # fmt: skip
     mine = [r for r in st if r["stage"] in stages]
-    f = sum(r["forward_ms"] for r in mine)
-    b = sum(r["backward_ms"] for r in mine)
+    fwd, bwd, f, b = (sum(r[k] for r in rs) for rs in (st, mine)
+                      for k in ("forward_ms", "backward_ms"))  # fmt: skip
     n = st[0]["n_atoms"] if st else 0
     if not stages:
         return table

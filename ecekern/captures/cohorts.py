@@ -52,11 +52,8 @@ FUSED = tuple(
     for p in ps
 )  # fmt: skip
 #: The layer kernels recomputing z in the backward: (label, options, cohort_edges).
-FUSED_RECOMPUTE = (
-    "layers tf32x3 recompute",
-    {"stack": "layers", "precision": "3xtf32"},
-    16384,
-)
+FUSED_RECOMPUTE = ("layers tf32x3 recompute",
+                   {"stack": "layers", "precision": "3xtf32"}, 16384)  # fmt: skip
 #: The fused stacks whose forward writes only y and whose backward makes each tile's
 #: z again on chip: (label, options).
 STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
@@ -75,14 +72,8 @@ STEP_CASES = (
     *((label, {"memory": "recompute", **o}) for label, o in STACK_RECOMPUTE),
 )  # fmt: skip
 #: The ``memory`` part's cases, from :data:`STEP_CASES`.
-MEMORY_CASES = (
-    "plain",
-    "keep z",
-    "recompute",
-    "layers tf32x3",
-    FUSED_RECOMPUTE[0],
-    "stack tf32x3 recompute",
-)
+MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3", FUSED_RECOMPUTE[0],
+                "stack tf32x3 recompute")  # fmt: skip
 
 
 def _steps(run, arg: str) -> str:

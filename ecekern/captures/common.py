@@ -186,15 +186,17 @@ def force_row(
     numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)
     and peak memory, at the inputs' precision (TF32 as it is switched now).
     ``mode="replay"``: the step as a :class:`~ecekern.graph_step.GraphStep`
-    (chapter 4; ``graph_kw``: its arguments, say ``headroom``), its peak memory that
-    of the capture (the graph's memory pool holds the step's intermediates), with
-    its ``headroom``, ``capacity`` (edge slots) and ``capture_s`` (seconds to build
-    and capture it). ``forward``: the forward alone too (no grad; ``forward_ms``,
+    (chapter 4; ``graph_kw``: its arguments, say ``headroom``; a peer's through
+    :func:`ecekern.peers.graphed_force_step`), its peak memory that of the capture
+    (the graph's pool holds the step's intermediates), with ``capture_s`` (seconds
+    to build and capture it) and ours its ``headroom`` and ``capacity`` (edge
+    slots). ``forward``: the forward alone too (no grad; ``forward_ms``,
     ``forward_p10_ms``, ``forward_p90_ms``) and the backward as the difference
     (``backward_ms``). ``more(fn) -> dict``: columns measured on the step ``fn``
     after its timing."""
     from ..graph_step import GraphStep
-    from ..model import force_step
+    from ..model import ECEModel, force_step
+    from ..peers import graphed_force_step
 
     pos, numbers, graph = inputs
     if step is not None and mode == "replay":
@@ -202,8 +204,12 @@ def force_row(
     peak = None
     if mode == "replay":
         holder = {}
+        ours = isinstance(getattr(model, "_orig_mod", model), ECEModel)
 
         def first():
+            if not ours:  # a peer: its force step under torch.cuda.graph
+                holder["step"] = graphed_force_step(model, pos, numbers, graph)
+                return
             holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
             holder["step"](pos, graph)
 
@@ -213,9 +219,10 @@ def force_row(
         if "step" not in holder:  # no GPU: peak_memory runs nothing
             first()
         cap = holder["step"]
-        extra |= {"headroom": cap.headroom, "capacity": cap.capacity,
-                  "capture_s": time.perf_counter() - t0}  # fmt: skip
-        fn = lambda: cap(pos, graph)
+        extra |= {"capture_s": time.perf_counter() - t0}
+        if ours:
+            extra |= {"headroom": cap.headroom, "capacity": cap.capacity}
+        fn = (lambda: cap(pos, graph)) if ours else cap
     else:
         fn = lambda: (step or force_step)(model, pos, numbers, graph)
     if forward:

@@ -1,51 +1,49 @@
 """Chapter 1's ``progress`` part: the book's cumulative progress table, in one run.
 
-For each box (512 and 4096 atoms: ``diamond(4)``, ``diamond(8)``) and each precision
-(strict fp32, fp32 + TF32), the force step (energy and forces) of, in this order:
-the reference (``options.use(reference=True)``); each chapter's switch added to
-every earlier one's (:data:`CHAPTER_SWITCHES`: ``+ ch2 linear`` .. ``+ ch6
-cohorts``), from chapter 4 on replayed as a CUDA graph (:data:`REPLAYED`); chapter
-6's stacks by the layer kernels and the fused stack at each precision
-(:data:`CH6_STACKS`, replayed); ``library defaults`` (``options.use()``, eager, the
-row recording what ``options.current()`` was); the peers (``reference +
-torch.compile``, a fresh compile per box and precision, its time recorded; e3nn's
-and cuEquivariance's convolutions, skipped with the reason in the manifest where
-``cuequivariance_torch`` or its CUDA kernels do not load: cuet would fall back to
-its naive path); and ``library defaults + torch.compile``.
+At 512 and 4096 atoms (``diamond(4)``, ``diamond(8)``), strict fp32 and fp32 + TF32,
+each row's force step replayed as a CUDA graph (chapter 4, the library's MD path)
+and eager (:data:`~ecekern.captures.schema.MODES`): the reference; each chapter's
+switch on top of every earlier one's (:data:`CHAPTER_SWITCHES`; chapter 4's is the
+replay itself); chapter 6's stacks at each precision (:data:`CH6_STACKS`,
+alternatives, not steps); ``library defaults`` (``options.use()``); the peers
+(e3nn's and cuEquivariance's convolutions, replayed through
+:func:`ecekern.peers.graphed_force_step`; a peer that cannot be built or captured
+says why in the manifest); and, while the time budget lasts, the reference and the
+defaults under ``torch.compile`` (one compile per box and precision, both modes).
 
-Each row (step schema, :mod:`.schema`; its ``plan`` the step plan the options
-resolved to, :meth:`ecekern.plan.StepPlan.describe`, with the EquivariantLinears'
-kernel where the stack runs them): time (median, p10, p90 of at least 5 runs) and
-peak memory, with its provenance; ``progress.csv`` is rewritten after every row, in
-the table's order, so a run stopped by its time limit keeps what it measured. The
-eager rows run first, both boxes and precisions; then ``stages.csv``, the forward
-and backward time by stage of the largest box's reference and defaults (strict
-fp32, :mod:`.stages`); the compiled rows last, strict fp32 first, while the time
-budget lasts (a compile takes a minute or more; each one skipped is said so in the
-manifest).
+Each row (step schema, :mod:`.schema`, ``plan`` the step plan the options resolved
+to) has ``flop``, the FLOP per force step, and its ``flop_source``: ours
+:func:`ecekern.flops.step_flops`, a peer's counted op by op in one eager step
+(:func:`ecekern.flops.counted_flops`; cuEquivariance's kernels are invisible to the
+counter, so it takes e3nn's count: the same tensor products). ``progress.csv`` is
+rewritten after every row, in the table's order; ``stages.csv`` holds the largest
+box's forward and backward time by stage, reference and defaults (:mod:`.stages`).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
 import torch
 
 from .. import bench, options
+from ..flops import counted_flops, step_flops
 from . import progress_order, schema
 from .common import compile_model, for_boxes, force_row, free, profiled, step_error
 from .reference import peer_models
+from .schema import MODES
 from .stages import stage_times
 
-__all__ = ["OURS", "REPLAYED", "capture"]
+__all__ = ["OURS", "capture"]
 
 #: Each chapter's switches, in order: a row runs with its own and every earlier one's.
 CHAPTER_SWITCHES = (
     ("+ ch2 linear", dict(linear="auto", edge_frame="reference", zonal="reference",
                           stack="linears", memory="plain")),
     ("+ ch3 edge_frame", dict(edge_frame="packed")),
-    ("+ ch4 graph_step", {}),  # the step replayed as a CUDA graph (REPLAYED)
+    ("+ ch4 graph_step", {}),  # the replay itself: eager, the same as + ch3
     ("+ ch5 zonal", dict(zonal="fused")),
     ("+ ch6 cohorts", dict(memory="keep")),
 )  # fmt: skip
@@ -79,10 +77,6 @@ OURS = {
     **{label: {**_CHAPTERS["+ ch6 cohorts"], **stack} for label, stack in CH6_STACKS},
     "library defaults": {},
 }
-#: The rows whose step is replayed as a CUDA graph (chapter 4 and after).
-REPLAYED = ("+ ch4 graph_step", "+ ch5 zonal", "+ ch6 cohorts") + tuple(
-    label for label, _ in CH6_STACKS
-)
 #: The compiled rows: label -> the options their model is compiled and run under.
 COMPILED = {
     "reference + torch.compile": {"reference": True},
@@ -129,17 +123,37 @@ def _paths(model, inputs) -> str:
     return text
 
 
-def _row(table, label, model, inputs, rep_ms, info, plan="", **extra) -> None:
+def _row(table, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra):
     """Time one row's force step; a failure is a row with its error (and a line in
     the manifest)."""
-    mode = "replay" if label in REPLAYED else "eager"
     try:
         row = force_row(label, model, inputs, plan, mode, rep_ms, **extra)
     except Exception as exc:
         n, precision = inputs[0].shape[0], bench.dtype_label(inputs[0].dtype)
-        info[f"progress: {label}, {n} atoms, {precision}"] = f"failed: {exc!r}"[:500]
-        row = step_error(exc, label, inputs, plan, mode)
+        key = f"progress: {label}, {n} atoms, {precision}, {mode}"
+        info[key] = f"failed: {exc!r}"[:500]
+        row = step_error(exc, label, inputs, plan, mode) | extra
     table.add(row)
+
+
+def _peer_flop(peers, inputs, info) -> dict:
+    """``{label: (flop, flop_source)}`` of each peer (module docstring)."""
+    from ..model import force_step
+
+    out = {}
+    for label, peer in peers:
+        e3nn = [v for k, v in out.items() if k.startswith("e3nn")]
+        try:
+            if label.startswith("cuEquivariance"):  # invisible to the counter
+                if not e3nn:
+                    raise LookupError("no e3nn count to take for its tensor products")
+                out[label] = (e3nn[0][0], "e3nn's count (the same tensor products)")
+            else:
+                step = lambda: force_step(peer, *inputs)  # noqa: E731
+                out[label] = (counted_flops(step), "counted")
+        except Exception as exc:
+            info[f"flop: {label}"] = f"failed: {exc!r}"[:300]
+    return out
 
 
 def capture(
@@ -169,11 +183,13 @@ def capture(
         info["library_defaults_note"] = f"the environment changed them: {defaults}"
     precisions = (False, True)
 
-    def eager(rep, model, inputs):  # ours and the peers, both precisions
-        n = inputs[0].shape[0]
+    def eager(rep, model, inputs):  # ours and the peers, both precisions and modes
+        n, n_edges = inputs[0].shape[0], inputs[2].n_edges
         rep_ms = 100.0 if n <= 512 else 0.0  # at least 5 runs either way
         peers = list(peer_models(cfg, torch.float32, info, f"{n} atoms", dev))
-        for tf32 in precisions:
+        ours = dict(flop=step_flops(cfg, n, n_edges)["total"], flop_source="model")
+        peer_flop = _peer_flop(peers, inputs, info)
+        for tf32, mode in itertools.product(precisions, MODES):
             bench.set_tf32(tf32)
             try:
                 for label, opts in OURS.items():
@@ -181,10 +197,12 @@ def capture(
                         if label == "library defaults":
                             info["library_defaults"] = repr(now)
                         plan = _paths(model, inputs)
-                        _row(table, label, model, inputs, rep_ms, info, plan)
+                        _row(table, label, model, inputs, rep_ms, info, plan, mode,
+                             **ours)  # fmt: skip
                     free()
                 for label, peer in peers:
-                    _row(table, label, peer, inputs, rep_ms, info)
+                    flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
+                    _row(table, label, peer, inputs, rep_ms, info, "", mode, **flop)
                     free()
             finally:
                 bench.set_tf32(False)
@@ -204,6 +222,7 @@ def capture(
 
     def compiled(rep, model, inputs):  # while the budget lasts
         n, tf32 = inputs[0].shape[0], torch.backends.cuda.matmul.allow_tf32
+        flop = step_flops(cfg, n, inputs[2].n_edges)["total"]
         for label, opts in COMPILED.items():
             key = f"progress: {label}, {n} atoms, {'tf32' if tf32 else 'fp32'}"
             left = budget - (time.time() - t_start)
@@ -213,8 +232,10 @@ def capture(
             try:
                 with options.use(**opts):
                     c, last_compile[0] = compile_model(model, inputs, dev)
-                    _row(table, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
-                         _paths(model, inputs), compile_s=last_compile[0])  # fmt: skip
+                    for mode in MODES:
+                        _row(table, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
+                             _paths(model, inputs), mode, compile_s=last_compile[0],
+                             flop=flop, flop_source="model")  # fmt: skip
             except Exception as exc:
                 info[key] = f"failed: {exc!r}"[:500]
                 table.add(step_error(exc, label, inputs))
@@ -243,14 +264,5 @@ def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[di
     time_us = device_us if dev == "cuda" else cpu_us
     times = stage_times(prof.events(), time_us, iters=iters)
     prov = bench.provenance(torch.float32)
-    return [
-        {
-            "system": label,
-            "n_atoms": n_atoms,
-            "stage": stage,
-            "forward_ms": f,
-            "backward_ms": b,
-            **prov,
-        }
-        for stage, (f, b) in times.items()
-    ]
+    return [{"system": label, "n_atoms": n_atoms, "stage": stage, "forward_ms": f,
+             "backward_ms": b, **prov} for stage, (f, b) in times.items()]  # fmt: skip
