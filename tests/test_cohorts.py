@@ -1336,7 +1336,7 @@ def test_gpu_physics_with_the_layer_kernels(monkeypatch):
                             n_gated=2, cutoff=3.0)  # fmt: skip
     torch.manual_seed(0)
     model = ecekern.ECEModel(cfg).double()
-    calc = ECECalculator(model, device="cuda")
+    calc = ECECalculator(model, device="cuda", graph_step=False)  # eager: spied
     with options.use(memory="keep", stack="layers", cohort_edges=1000):
         rc = cfg.cutoff
         for n_atoms in (2, 3):
