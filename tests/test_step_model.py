@@ -137,3 +137,31 @@ def test_gpu_the_book_model_in_float32(precision):
             assert rel_err(a, t) < tol * 1e-5, (name, rel_err(a, t))
         else:
             assert_close_three_way(a, b, t, f"{precision} {name}")
+
+
+@pytest.mark.slow
+def test_nve_with_the_fused_stages_follows_the_reference(model):
+    """An NVE run (ASE velocity Verlet, 0.5 fs) with both fused stages on gives the
+    reference's trajectory: total energies equal to 1e-10 eV, step by step, and
+    conserved to a small fraction of the kinetic energy."""
+    import numpy as np
+    from ase import units
+    from ase.md.verlet import VelocityVerlet
+
+    from ecekern.calculator import ECECalculator
+
+    def run(**opts):
+        atoms = ecekern.systems.diamond(1, rattle=0.1, seed=6)
+        atoms.set_momenta(np.random.default_rng(1).normal(0, 0.3, (len(atoms), 3)))
+        atoms.calc = ECECalculator(model, device=DEV, graph_step=False)
+        totals = []
+        with options.use(**opts):
+            dyn = VelocityVerlet(atoms, timestep=0.5 * units.fs)
+            dyn.attach(lambda: totals.append(atoms.get_total_energy()), interval=1)
+            dyn.run(10)
+        return np.array(totals), atoms.get_kinetic_energy()
+
+    ref, kinetic = run(reference=True)
+    got, _ = run(**STAGES["both"])
+    assert np.abs(got - ref).max() < 1e-10
+    assert np.ptp(got) < 0.05 * kinetic
