@@ -53,6 +53,7 @@ __all__ = [
     "Graph",
     "build_graph",
     "check_graph",
+    "csr_order",
     "csr_row_ptr",
     "edge_vectors",
     "neighbor_list",
@@ -433,6 +434,16 @@ def csr_row_ptr(dst: torch.Tensor, n_nodes: int) -> torch.Tensor:
     row_ptr = torch.zeros(n_nodes + 1, dtype=torch.long, device=dst.device)
     torch.cumsum(counts, 0, out=row_ptr[1:])
     return row_ptr
+
+
+def csr_order(index: torch.Tensor, n_nodes: int):
+    """``(ptr (N+1,), perm (E,))``: the edges grouped by ``index`` (src or dst), as a
+    stable sort's permutation and its CSR pointer. Indices are clamped to [0, N), so
+    every edge lies in one segment even where they were not validated (a wrong
+    result, never an unset row)."""
+    order = torch.sort(index.clamp(0, max(n_nodes - 1, 0)), stable=True)
+    nodes = torch.arange(n_nodes + 1, device=index.device)
+    return torch.searchsorted(order.values, nodes), order.indices
 
 
 @dataclass(frozen=True)

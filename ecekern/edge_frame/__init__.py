@@ -67,6 +67,7 @@ import torch
 
 from .. import options, reference
 from .._triton import why_not_triton
+from ..graph import csr_order
 from .autograd import _RotateFn, _UnrotateFn, rotate_torch, unrotate_torch
 from .launch import (
     LAUNCH,
@@ -180,20 +181,14 @@ class Frames:
 
     def _orders(self, row_ptr, src_order) -> None:
         """The two CSR orders (``self.csr``) and ``self.row_ptr``."""
-        nodes = torch.arange(self.n_nodes + 1, device=self.src.device)
-        # clamped: every edge lies in one segment of each side, so every output row
-        # is written even for indices that were not validated (wrong, never unset)
-        top = max(self.n_nodes - 1, 0)
         if row_ptr is None:
-            order = torch.sort(self.dst.clamp(0, top), stable=True)
-            perm_dst, ptr_dst = order.indices, torch.searchsorted(order.values, nodes)
+            ptr_dst, perm_dst = csr_order(self.dst, self.n_nodes)
             self.row_ptr = None
         else:
             perm_dst, ptr_dst = None, row_ptr.contiguous()
             self.row_ptr = ptr_dst
         if src_order is None:
-            order = torch.sort(self.src.clamp(0, top), stable=True)
-            src_order = (torch.searchsorted(order.values, nodes), order.indices)
+            src_order = csr_order(self.src, self.n_nodes)
         self.csr = (ptr_dst, perm_dst, *src_order)
 
     def rotate_and_select(self, h, rho=None, planes: bool = False):

@@ -45,7 +45,7 @@ import torch
 from .. import reference, so3
 from .._autograd import library_op, torch_grads, wrap_triton
 from .._triton import split_scale, tl, triton, why_not_triton
-from ..graph import Graph, edge_vectors
+from ..graph import Graph, csr_order, edge_vectors
 from .wigner import (
     adjoint_L1M0,
     adjoint_L1M1,
@@ -406,10 +406,7 @@ def why_not(device_type: str, L: int, M: int, dtype) -> str | None:
 def src_order(graph: Graph):
     """``(ptr_src, perm_src)``: the graph's edges in source order, as a CSR pointer
     ``(N + 1,)`` and a permutation ``(E,)`` (a stable sort of src)."""
-    N = graph.row_ptr.shape[0] - 1
-    order = torch.sort(graph.src.clamp(0, max(N - 1, 0)), stable=True)
-    nodes = torch.arange(N + 1, device=graph.src.device)
-    return torch.searchsorted(order.values, nodes), order.indices
+    return csr_order(graph.src, graph.row_ptr.shape[0] - 1)
 
 
 def geometry(positions, graph: Graph, L: int, M: int, pad_length: float,
