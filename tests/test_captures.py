@@ -542,3 +542,35 @@ def test_option_steps_time_each_case_in_each_mode(tmp_path, quick_timing):
                            more=lambda fn: {"calls": fn() is not None})  # fmt: skip
     assert row["headroom"] == 1.5 and row["calls"] is True
     assert row["capacity"] >= 1.5 * row["n_edges"]
+
+
+def test_the_waterfall_adds_up_to_the_replayed_step(tmp_path):
+    """Chapter 7's waterfall (a smoke run in the interpreter): per case the stages
+    of the model, the rest outside them and the launch gaps add up to the step, each
+    stage with its cost and floor; the step's floor is the stages' floors summed."""
+    from ecekern.captures import step
+    from ecekern.captures.stages import OUTSIDE
+    from ecekern.flops import STAGES
+
+    import ecekern
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, n_interactions=1,
+                            cutoff=2.0, radial_hidden=8, readout_hidden=8)  # fmt: skip
+    run = runner.Run(tmp_path, quick=True, dev="cpu")
+    step.waterfall(run, cfg=cfg)
+    rows = _rows(tmp_path / "waterfall.csv")
+    assert {r["variant"] for r in rows} == set(step.WATERFALL)
+    shown = [s for s in STAGES if s not in step.FOLDED]
+    for variant in step.WATERFALL:
+        case = {r["stage"]: r for r in rows if r["variant"] == variant}
+        assert list(case) == [*shown, OUTSIDE, step.GAPS, step.STEP]
+        parts = sum(float(case[s]["ms"]) for s in [*shown, OUTSIDE, step.GAPS])
+        assert parts == pytest.approx(float(case[step.STEP]["ms"]), rel=1e-9)
+        for s in shown:
+            r = case[s]
+            assert float(r["ms"]) == pytest.approx(
+                float(r["forward_ms"]) + float(r["backward_ms"])
+            )
+            assert int(r["bytes"]) > 0 and float(r["floor_ms"]) > 0
+        floors = sum(float(case[s]["floor_ms"]) for s in shown)
+        assert float(case[step.STEP]["floor_ms"]) == pytest.approx(floors)

@@ -61,3 +61,25 @@ def test_graphed_force_step_needs_a_cuda_device():
         pytest.skip("a CUDA device: the replay runs")
     with pytest.raises(RuntimeError, match="CUDA graphs need positions on a CUDA"):
         graphed_force_step(model, *inputs)
+
+
+def test_stage_costs_split_the_step_model_and_grow_with_the_graph():
+    """The stages' FLOP add up to :func:`step_flops`' total; bytes grow linearly
+    with edges and atoms; the folded passes (edge_frames, radial_modulation,
+    aggregate) cost nothing of their own; bad sizes are errors."""
+    from ecekern.flops import STAGES, stage_costs
+
+    cfg = ecekern.ECEConfig()
+    one = stage_costs(cfg, 64, 1000)
+    two = stage_costs(cfg, 128, 2000)
+    assert tuple(one) == STAGES
+    assert sum(v["flop"] for v in one.values()) == step_flops(cfg, 64, 1000)["total"]
+    for s in STAGES:
+        assert two[s]["bytes"] == 2 * one[s]["bytes"]
+        assert two[s]["flop"] == 2 * one[s]["flop"]
+    for s in ("edge_frames", "radial_modulation", "aggregate"):
+        assert one[s] == {"flop": 0, "bytes": 0}
+    # the stack moves more than any other stage: X in and Y out, twice
+    assert max(one, key=lambda s: one[s]["bytes"]) == "mixing_stack"
+    with pytest.raises(ValueError, match="n_edges"):
+        stage_costs(cfg, 64, -1)

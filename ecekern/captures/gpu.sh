@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, with `.whl` carried:
 #   bash ecekern/captures/gpu.sh [--quick] [chapters...]
-# installs the carried wheels (and cuEquivariance from .whl/cueq where carried: the
-# peer of chapter 1), runs the GPU tests, then the captures; everything that should
-# come back is written under $OUT (captures as one archive). Chapters by slug:
+# installs the carried wheels (and cuEquivariance from .whl/cueq or .whlcq where
+# carried: the peer of chapter 1; the two together can pass the 64 MiB carry
+# limit), runs the GPU tests, then the captures; everything that should come back
+# is written under $OUT (captures as one archive). Chapters by slug:
 # methodology 01_reference 02_linear 05_zonal. Environment: PARTS (the chapters'
 # --parts, e.g. PARTS=progress for chapter 1's progress table), TEST_TIMEOUT
 # (seconds for the tests, 540: the whole suite, slow cases included, took over 330 s
@@ -18,9 +19,11 @@ if [ ${#wheels[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target .site \
     "${wheels[@]}" || exit 1
 fi
-cueq=(.whl/cueq/*.whl)
+cueq=(.whl/cueq/*.whl .whlcq/*.whl)
 if [ ${#cueq[@]} -gt 0 ]; then
-  if [ -f .whl/cueq/cueq-ops.tar.xz ]; then tar -xJf .whl/cueq/cueq-ops.tar.xz -C .site; fi
+  for ops in .whl/cueq/cueq-ops.tar.xz .whlcq/cueq-ops.tar.xz; do
+    if [ -f "$ops" ]; then tar -xJf "$ops" -C .site; fi
+  done
   python3 -m pip install -q --no-index --no-deps --no-compile --target .site \
     "${cueq[@]}" || echo "cuEquivariance not installed: its peer rows are skipped"
 fi
