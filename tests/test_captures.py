@@ -548,11 +548,10 @@ def test_the_waterfall_adds_up_to_the_replayed_step(tmp_path):
     """Chapter 7's waterfall (a smoke run in the interpreter): per case the stages
     of the model, the rest outside them and the launch gaps add up to the step, each
     stage with its cost and floor; the step's floor is the stages' floors summed."""
+    import ecekern
     from ecekern.captures import step
     from ecekern.captures.stages import OUTSIDE
     from ecekern.flops import STAGES
-
-    import ecekern
 
     cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, n_interactions=1,
                             cutoff=2.0, radial_hidden=8, readout_hidden=8)  # fmt: skip
@@ -574,3 +573,22 @@ def test_the_waterfall_adds_up_to_the_replayed_step(tmp_path):
             assert int(r["bytes"]) > 0 and float(r["floor_ms"]) > 0
         floors = sum(float(case[s]["floor_ms"]) for s in shown)
         assert float(case[step.STEP]["floor_ms"]) == pytest.approx(floors)
+
+
+def test_the_md_part_reports_throughput_and_drift(tmp_path):
+    """Chapter 7's MD capture (a smoke run in the interpreter): ASE and TorchSim
+    rows with steps per second, ns/day at 1 fs and atom-steps per second that agree
+    with each other, and a batch of small systems counted by all its atoms."""
+    from ecekern.captures import step
+
+    step.md(runner.Run(tmp_path, quick=True, dev="cpu"))
+    rows = _rows(tmp_path / "md.csv")
+    assert [(r["host"], r["n_systems"]) for r in rows] == [
+        ("ASE eager", "1"), ("TorchSim", "1"), ("TorchSim", "2")]  # fmt: skip
+    for r in rows:
+        per_s, n = float(r["steps_per_s"]), int(r["n_atoms"]) * int(r["n_systems"])
+        assert int(r["steps"]) >= 5 and per_s > 0
+        assert float(r["ns_per_day"]) == pytest.approx(per_s * 86400e-6)
+        assert float(r["atom_steps_per_s"]) == pytest.approx(per_s * n)
+        assert float(r["ms_per_step"]) == pytest.approx(1e3 / per_s)
+        assert abs(float(r["drift_meV_atom_ps"])) < 1e3

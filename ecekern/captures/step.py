@@ -22,9 +22,13 @@ Parts (``parts``, comma-separated):
   (the force step's own kernels: the energy's sum, gradient buffers) and
   ``(launch gaps)``, the replayed step's time minus every kernel's; the
   ``(replayed step)`` row is the step itself.
+* ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
+  TorchSim, and batches of small systems in TorchSim (:func:`md`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -159,5 +163,123 @@ def waterfall(run, arg: str = "", cfg=None) -> str:
     return "done"
 
 
-PARTS = {"stages": stages, "waterfall": waterfall}
+def _md_case(advance, total_energy, n_atoms, dev, seconds) -> dict:
+    """Time ``advance(k)`` (k MD steps) after three warm-up steps, for at least
+    ``seconds`` and 5 steps; the total energy before and after."""
+    from .common import sync
+
+    advance(3)  # the capture, the first compiles
+    sync(dev)
+    e0, steps = total_energy(), 0
+    t0 = time.perf_counter()
+    while steps < 5 or time.perf_counter() - t0 < seconds:
+        advance(5)
+        steps += 5
+    sync(dev)
+    dt = time.perf_counter() - t0
+    drift = (total_energy() - e0) / n_atoms / (steps * 1e-3)  # eV/atom/ps at 1 fs
+    per_s = steps / dt
+    return dict(steps=steps, ms_per_step=1e3 / per_s, steps_per_s=per_s,
+                ns_per_day=per_s * 86400 * 1e-6, atom_steps_per_s=per_s * n_atoms,
+                drift_meV_atom_ps=drift * 1e3)  # fmt: skip
+
+
+def md(run, arg: str = "", cfg=None) -> str:
+    """md.csv: NVE molecular dynamics at 1 fs from 300 K, the book's model in
+    float32 with the library's plan: ASE's Velocity Verlet through
+    :class:`~ecekern.ECECalculator` (eager, ``graph_step=False``, and replayed, its
+    CUDA default) and TorchSim's (:class:`~ecekern.torchsim.ECETorchSimModel`), at
+    512, 4096 and 32,768 atoms; then batches of 64-atom systems in one TorchSim
+    state. Per case: ms per MD step, steps per second, ns/day, atom-steps per second
+    and the total energy's drift (meV/atom/ps) over the timed steps."""
+    import numpy as np
+    from ase import units
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+
+    import ecekern
+
+    rows: list[dict] = []
+    cfg = cfg or book_config(run.dev)
+    seconds = 2.0 if run.dev == "cuda" else 0.0
+    reps = run.reps() + ([] if run.quick or run.dev != "cuda" else [16])
+    prov = bench.provenance(torch.float32)
+
+    def add(host, n_systems, atoms_each, case):
+        rows.append(dict(host=host, n_systems=n_systems, n_atoms=atoms_each,
+                         **case, **prov))  # fmt: skip
+        print("md", host, n_systems, atoms_each, f"{case['ms_per_step']:.2f} ms",
+              flush=True)  # fmt: skip
+        bench.write_csv(rows, run.out / "md.csv")
+
+    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
+    for rep in reps:
+        for host, graph_step in (("ASE eager", False), ("ASE replayed", None)):
+            if graph_step is None and run.dev != "cuda":
+                continue
+            atoms = ecekern.systems.diamond(rep, seed=1)
+            MaxwellBoltzmannDistribution(atoms, temperature_K=300,
+                                         rng=np.random.default_rng(0))  # fmt: skip
+            atoms.calc = ecekern.ECECalculator(model, graph_step=graph_step)
+            dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
+            try:
+                add(
+                    host,
+                    1,
+                    len(atoms),
+                    _md_case(
+                        dyn.run, atoms.get_total_energy, len(atoms), run.dev, seconds
+                    ),
+                )
+            except torch.OutOfMemoryError as exc:
+                rows.append(dict(host=host, n_atoms=len(atoms), error=repr(exc)[:200]))
+            atoms = dyn = None
+            free()
+        try:
+            add("TorchSim", 1, 8 * rep**3,
+                _torchsim_case(model, [rep], run.dev, seconds))  # fmt: skip
+        except torch.OutOfMemoryError as exc:
+            rows.append(
+                dict(host="TorchSim", n_atoms=8 * rep**3, error=repr(exc)[:200])
+            )
+        free()
+    for n_systems in (1, 16, 64) if run.dev == "cuda" else (2,):
+        add("TorchSim", n_systems, 64,
+            _torchsim_case(model, [2] * n_systems, run.dev, seconds))  # fmt: skip
+        free()
+    return "done"
+
+
+def _torchsim_case(model, reps, dev, seconds) -> dict:
+    """:func:`_md_case` of TorchSim's NVE over one state of diamond boxes."""
+    import torch_sim as ts
+
+    import ecekern
+
+    from ..torchsim import ECETorchSimModel
+
+    boxes = [ecekern.systems.diamond(r, seed=1 + i) for i, r in enumerate(reps)]
+    state = ts.io.atoms_to_state(boxes, torch.device(dev), torch.float32)
+    sim = ECETorchSimModel(model, compute_stress=False)
+    u = ts.units.MetalUnits
+    kT = torch.tensor(300 * u.temperature, dtype=torch.float32, device=dev)
+    dt = torch.tensor(1e-3 * u.time, dtype=torch.float32, device=dev)  # 1 fs
+    init, step = ts.nve(sim, dt=dt, kT=kT, seed=0)
+    md = [init(state)]
+
+    def advance(k):
+        for _ in range(k):
+            md[0] = step(md[0], dt=dt)
+
+    def total():
+        s = md[0]
+        kinetic = ts.calc_kinetic_energy(masses=s.masses, momenta=s.momenta)
+        return float(s.energy.sum() + kinetic)
+
+    n = sum(len(b) for b in boxes)
+    case = _md_case(advance, total, n, dev, seconds)
+    return case | {"atom_steps_per_s": case["steps_per_s"] * n}
+
+
+PARTS = {"stages": stages, "waterfall": waterfall, "md": md}
 GPU_ONLY = ()
