@@ -243,7 +243,7 @@ def md(run, arg: str = "", cfg=None) -> str:
                 dict(host="TorchSim", n_atoms=8 * rep**3, error=repr(exc)[:200])
             )
         free()
-    for n_systems in (1, 16, 64) if run.dev == "cuda" else (2,):
+    for n_systems in (1, 8, 32) if run.dev == "cuda" else (2,):
         add("TorchSim", n_systems, 64,
             _torchsim_case(model, [2] * n_systems, run.dev, seconds))  # fmt: skip
         free()
