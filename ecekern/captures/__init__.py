@@ -112,7 +112,8 @@ PROGRESS_ROWS = (
     "+ ch5 zonal", "+ ch6 cohorts", "+ ch6 fused strict fp32 stack",
     "+ ch6 3xTF32 stack", "+ ch6 fused 3xTF32 stack", "+ ch6 TF32 stack",
     "+ ch6 fused TF32 stack", "+ ch6 bf16 stack", "+ ch6 fused bf16 stack",
-    "library defaults", *PROGRESS_PEERS, "library defaults + torch.compile",
+    "+ ch7 step", "library defaults", *PROGRESS_PEERS,
+    "library defaults + torch.compile",
 )  # fmt: skip
 
 

@@ -75,6 +75,13 @@ OURS = {
     "reference": {"reference": True},
     **_CHAPTERS,
     **{label: {**_CHAPTERS["+ ch6 cohorts"], **stack} for label, stack in CH6_STACKS},
+    # chapter 7: the fused geometry and radial stages on chapter 6's default stack
+    "+ ch7 step": {
+        **_CHAPTERS["+ ch6 cohorts"],
+        **dict(CH6_STACKS)["+ ch6 3xTF32 stack"],
+        "geometry": "fused",
+        "radial": "fused",
+    },
     "library defaults": {},
 }
 #: The compiled rows: label -> the options their model is compiled and run under.
