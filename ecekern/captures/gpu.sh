@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, with `.whl` carried:
 #   bash ecekern/captures/gpu.sh [--quick] [chapters...]
-# installs the carried wheels (and cuEquivariance from .whl/cueq or .whlcq where
-# carried: the peer of chapter 1; the two together can pass the 64 MiB carry
-# limit), runs the GPU tests, then the captures; everything that should come back
-# is written under $OUT (captures as one archive). Chapters by slug:
+# installs the carried wheels (.whl; TorchSim's stack from .whlts and
+# cuEquivariance, the peer of chapter 1, from .whl/cueq or .whlcq where carried:
+# all of them together pass the 64 MiB carry limit), runs the GPU tests, then the
+# captures; everything that should come back is written under $OUT (captures as one
+# archive). Chapters by slug:
 # methodology 01_reference 02_linear 05_zonal. Environment: PARTS (the chapters'
 # --parts, e.g. PARTS=progress for chapter 1's progress table), TEST_TIMEOUT
 # (seconds for the tests, 540: the whole suite, slow cases included, took over 330 s
@@ -14,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .site
 shopt -s nullglob
-wheels=(.whl/*.whl)
+wheels=(.whl/*.whl .whlts/*.whl)
 if [ ${#wheels[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target .site \
     "${wheels[@]}" || exit 1
