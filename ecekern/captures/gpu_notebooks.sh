@@ -3,4 +3,4 @@
 # PYTHONPATH is set: every book notebook under nbval, with live GPU cells.
 set -uo pipefail
 python3 -m pytest -q -n "${NB_WORKERS:-4}" --dist loadfile -p no:cacheprovider --nbval-lax --nbval-current-env \
-  --nbval-sanitize-with book/sanitize.cfg book
+  --nbval-sanitize-with book/sanitize.cfg "$@" book
