@@ -592,3 +592,24 @@ def test_the_md_part_reports_throughput_and_drift(tmp_path):
         assert float(r["atom_steps_per_s"]) == pytest.approx(per_s * n)
         assert float(r["ms_per_step"]) == pytest.approx(1e3 / per_s)
         assert abs(float(r["drift_meV_atom_ps"])) < 1e3
+
+
+def test_the_whole_step_precision_part_compares_with_float64(tmp_path):
+    """Chapter 7's precision part (a smoke run in the interpreter, the default case
+    only): force and energy errors against float64 with the same weights, small and
+    positive; an NVE row per case, float64's included, with its drift."""
+    import ecekern
+    from ecekern.captures import step
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, n_interactions=1,
+                            cutoff=2.0, radial_hidden=8, readout_hidden=8)  # fmt: skip
+    step.precision(runner.Run(tmp_path, quick=True, dev="cpu"), cfg=cfg)
+    rows = _rows(tmp_path / "precision.csv")
+    assert [float(r["rattle_A"]) for r in rows] == list(step.RATTLES)
+    for r in rows:
+        assert r["precision"] == step.STEP_PRECISIONS[0][0]
+        assert 0 < float(r["rms_force_err_rel"]) <= float(r["max_force_err_rel"]) < 1e-4
+        assert float(r["energy_err_per_atom_eV"]) < 1e-5
+    nve = _rows(tmp_path / "nve.csv")
+    assert [r["precision"] for r in nve] == ["fp64", step.STEP_PRECISIONS[0][0]]
+    assert all(abs(float(r["drift_meV_per_atom_ps"])) < 10 for r in nve)

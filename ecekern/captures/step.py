@@ -24,6 +24,8 @@ Parts (``parts``, comma-separated):
   ``(replayed step)`` row is the step itself.
 * ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
   TorchSim, and batches of small systems in TorchSim (:func:`md`).
+* ``precision`` -> precision.csv, nve.csv: the whole step's precisions against
+  float64, and NVE drift (:func:`precision`).
 """
 
 from __future__ import annotations
@@ -291,5 +293,134 @@ def _torchsim_case(model, reps, dev, seconds) -> dict:
     return case | {"atom_steps_per_s": case["steps_per_s"] * n}
 
 
-PARTS = {"stages": stages, "waterfall": waterfall, "md": md}
+#: The whole-step precision study's cases: (label, TF32, options) on top of chapter
+#: 7's fused stages; the library's default step (the 3xTF32 layer kernels) first;
+#: fp64 (the same weights) is the truth
+STEP_PRECISIONS = (
+    ("3xTF32 layers (default)", False, {}),
+    ("strict fp32 layers", False, {"stack": "layers", "precision": "fp32"}),
+    ("TF32 layers", False, {"stack": "layers", "precision": "tf32"}),
+    ("bf16 layers", False, {"stack": "layers", "precision": "bf16"}),
+    ("3xTF32 fused, recompute", False,
+     {"stack": "fused", "precision": "3xtf32", "memory": "recompute"}),
+    ("TF32 everywhere", True, {"stack": "layers", "precision": "tf32"}),
+)  # fmt: skip
+#: rattles (A) of the force comparison; NVE: time step and length (fs), temperature
+#: (K) and the spring (eV/A^2) tethering each atom to its start (the random model has
+#: no repulsion: untethered atoms meet within a picosecond)
+RATTLES, NVE_DT_FS, NVE_FS, NVE_K, TETHER = (0.05, 0.25), 1.0, 1000.0, 300.0, 1.0
+
+
+def _tethered(model, anchor):
+    """The model's ASE calculator (replayed on CUDA) plus ``sum_i TETHER |x_i -
+    anchor_i|^2 / 2`` in float64: exact and conservative, so any drift is the
+    model's."""
+    import numpy as np
+    from ase.calculators.calculator import Calculator, all_changes
+    from ase.calculators.mixing import SumCalculator
+
+    from ..calculator import ECECalculator
+
+    class Tether(Calculator):
+        implemented_properties = ["energy", "free_energy", "forces"]
+
+        def calculate(self, atoms=None, properties=("energy",),
+                      system_changes=all_changes):  # fmt: skip
+            super().calculate(atoms, properties, system_changes)
+            d = self.atoms.positions - anchor
+            e = 0.5 * TETHER * float(np.sum(d * d))
+            self.results = {"energy": e, "free_energy": e, "forces": -TETHER * d}
+
+    return SumCalculator([ECECalculator(model), Tether()])
+
+
+def precision(run, arg: str = "", cfg=None) -> str:
+    """precision.csv and nve.csv: the whole step in each precision of
+    :data:`STEP_PRECISIONS` (chapter 7's fused stages on) against float64 with the
+    same weights at 512 atoms (force errors relative to the force RMS, energy per
+    atom), and the total energy's drift in NVE (1 fs, 1 ps from 300 K, tethered,
+    ASE's Velocity Verlet through the replayed calculator)."""
+    import copy
+
+    import numpy as np
+    from ase import units
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.md.verlet import VelocityVerlet
+
+    import ecekern
+
+    cuda = run.dev == "cuda"
+    cfg = cfg or book_config(run.dev)
+    rep, length = (4, NVE_FS) if cuda else (1, 5 * NVE_DT_FS)
+    stages = {**WATERFALL["after"]}
+    torch.manual_seed(0)
+    m64 = ecekern.ECEModel(cfg).double().to(run.dev)
+    m32 = copy.deepcopy(m64).float()
+    cases = [("fp64", m64, False, {})]
+    for label, tf32, opts in STEP_PRECISIONS if cuda else STEP_PRECISIONS[:1]:
+        cases.append((label, m32, tf32, {**stages, **opts}))
+    rows, nve = [], []
+    for rattle in RATTLES:
+        atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
+        e_ref, f_ref = (t.detach().cpu().double()
+                        for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
+        f_rms = f_ref.square().mean().sqrt().item()
+        for label, model, tf32, opts in cases[1:]:
+            bench.set_tf32(tf32)
+            try:
+                with options.use(**opts):
+                    got = ecekern.energy_and_forces(model, atoms)
+            finally:
+                bench.set_tf32(False)
+            e, f = (t.detach().cpu().double() for t in got)
+            d = (f - f_ref).norm(dim=1)
+            rows.append(dict(precision=label, rattle_A=rattle, n_atoms=len(atoms),
+                             force_rms_eV_A=f_rms,
+                             max_force_err_rel=d.max().item() / f_rms,
+                             rms_force_err_rel=d.square().mean().sqrt().item() / f_rms,
+                             energy_err_per_atom_eV=abs(e - e_ref).item() / len(atoms),
+                             **bench.provenance(torch.float32)))  # fmt: skip
+            bench.write_csv(rows, run.out / "precision.csv")
+    for label, model, tf32, opts in cases:
+        atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
+        thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
+        atoms.calc = _tethered(model, atoms.positions.copy())
+        bench.set_tf32(tf32)
+        try:
+            with options.use(**opts):
+                e0, t_fs, es = atoms.get_total_energy(), [], []
+                dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
+
+                def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
+                    t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
+                    es.append(atoms.get_total_energy())
+
+                dyn.attach(log, interval=5)
+                dyn.run(round(length / NVE_DT_FS))
+            de = (np.asarray(es) - e0) / len(atoms)
+            slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
+            row = dict(drift_meV_per_atom_ps=1e3 * slope,
+                       max_dev_meV_per_atom=1e3 * np.abs(de).max())  # fmt: skip
+        except (ValueError, torch.OutOfMemoryError) as exc:  # a row, not the end
+            row = {"error": repr(exc)[:300]}
+        finally:
+            bench.set_tf32(False)
+        nve.append(
+            dict(
+                precision=label,
+                n_atoms=len(atoms),
+                dt_fs=NVE_DT_FS,
+                length_fs=length,
+                temperature_K=NVE_K,
+                tether_eV_A2=TETHER,
+                **row,
+                **bench.provenance(next(model.parameters()).dtype),
+            )
+        )
+        bench.write_csv(nve, run.out / "nve.csv")
+        free()
+    return "done"
+
+
+PARTS = {"stages": stages, "waterfall": waterfall, "md": md, "precision": precision}
 GPU_ONLY = ()
