@@ -613,3 +613,21 @@ def test_the_whole_step_precision_part_compares_with_float64(tmp_path):
     nve = _rows(tmp_path / "nve.csv")
     assert [r["precision"] for r in nve] == ["fp64", step.STEP_PRECISIONS[0][0]]
     assert all(abs(float(r["drift_meV_per_atom_ps"])) < 10 for r in nve)
+
+
+def test_the_scale_part_grows_the_box_per_memory_strategy(tmp_path):
+    """Chapter 7's scale part (a smoke run in the interpreter): per memory strategy,
+    its box (one, 8 atoms) with its time per atom-step and the allocator setting."""
+    import ecekern
+    from ecekern.captures import step
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=4, n_gated=1, n_interactions=1,
+                            cutoff=2.0, radial_hidden=8, readout_hidden=8)  # fmt: skip
+    step.scale(runner.Run(tmp_path, quick=True, dev="cpu"), cfg=cfg)
+    rows = _rows(tmp_path / "scale.csv")
+    assert [(r["memory"], int(r["n_atoms"])) for r in rows] == [
+        (m, 8) for m in step.SCALE_MEMORY]  # fmt: skip
+    for r in rows:
+        per = 1e3 * float(r["ms"]) / int(r["n_atoms"])
+        assert float(r["us_per_atom_step"]) == pytest.approx(per)
+        assert r["mode"] == "replay" and "alloc_conf" in r

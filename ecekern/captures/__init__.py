@@ -283,8 +283,9 @@ def chapter_opening(
     if not stages:
         return table
     names = ", ".join(f"`{s}`" for s in stages)
+    card = str(st[0].get("device", "")).removeprefix("NVIDIA ").split(" ")[0]
     share = (
-        f"In the reference's {n}-atom force step (strict fp32, H200) "
+        f"In the reference's {n}-atom force step (strict fp32, eager, {card}) "
         f"{'the stages ' + names + ' take' if len(stages) > 1 else names + ' takes'} "
         f"{f:.1f} ms of the forward's {fwd:.1f} ms ({100 * f / fwd:.0f} %) and "
         f"{b:.1f} ms of the backward's {bwd:.1f} ms ({100 * b / bwd:.0f} %)."

@@ -20,12 +20,18 @@ Parts (``parts``, comma-separated):
   (:func:`~.common.ceilings`: the copy bandwidth, the GEMM rate of the stage's
   precision) and the ratio. Two more rows close the sum: ``(outside the stages)``
   (the force step's own kernels: the energy's sum, gradient buffers) and
-  ``(launch gaps)``, the replayed step's time minus every kernel's; the
-  ``(replayed step)`` row is the step itself.
+  ``(replay minus kernels)``, the replayed step's time minus every profiled kernel's:
+  the gaps between the graph's kernels, and what the replay does that the eager
+  profile does not (its spare edge slots, ``GraphStep``'s headroom, cost as much as
+  real edges; it can be negative where the two steps differ more, as with the
+  recomputing cohorts); the ``(replayed step)`` row is the step itself.
 * ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
   TorchSim, and batches of small systems in TorchSim (:func:`md`).
 * ``precision`` -> precision.csv, nve.csv: the whole step's precisions against
   float64, and NVE drift (:func:`precision`).
+* ``scale`` -> scale.csv: the replayed step's time and peak memory against the
+  number of atoms, per memory strategy, up to the largest box that fits
+  (:func:`scale`; run it with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ PRECISIONS = ("3xtf32", "tf32", "bf16", "fp32")
 #: (3xTF32: three TF32 products per product)
 RATE = {"fp32": ("gemm_float32", 1), "3xtf32": ("gemm_float32+tf32", 3),
         "tf32": ("gemm_float32+tf32", 1), "bf16": ("gemm_bfloat16", 1)}  # fmt: skip
-GAPS, STEP = "(launch gaps)", "(replayed step)"
+GAPS, STEP = "(replay minus kernels)", "(replayed step)"
 #: the reference's own passes, each counted with the stage chapter 3 folds it into
 FOLDED = {"edge_frames": "geometry", "radial_modulation": "rotate_and_select",
           "aggregate": "pack_and_unrotate"}  # fmt: skip
@@ -422,5 +428,52 @@ def precision(run, arg: str = "", cfg=None) -> str:
     return "done"
 
 
-PARTS = {"stages": stages, "waterfall": waterfall, "md": md, "precision": precision}
+#: the scale part's memory strategies (chapter 6) and diamond repeats, in order
+SCALE_MEMORY = ("keep", "recompute")
+SCALE_REPS = (4, 6, 8, 10, 12, 14, 16, 18, 20, 22)
+
+
+def scale(run, arg: str = "", cfg=None) -> str:
+    """scale.csv: the replayed force step (chapter 7's stages on, the default
+    precision) against the number of atoms, per memory strategy of
+    :data:`SCALE_MEMORY`, from 512 atoms up to the first box that does not fit (its
+    row says so): time, time per atom-step and peak memory. The allocator's setting
+    (``PYTORCH_CUDA_ALLOC_CONF``, e.g. ``expandable_segments:True``, read when CUDA
+    starts) is each row's ``alloc_conf``."""
+    import os
+
+    import ecekern
+    from ecekern.model import prepare_inputs
+
+    cuda = run.dev == "cuda"
+    cfg = cfg or book_config(run.dev)
+    reps = SCALE_REPS if cuda and not run.quick else (1,)
+    timing = dict(rep_ms=200.0, min_reps=5) if cuda else dict(rep_ms=1.0, min_reps=1)
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    rows: list[dict] = []
+    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
+    for memory in SCALE_MEMORY:
+        for rep in reps:
+            atoms = ecekern.systems.diamond(rep)
+            opts = {**WATERFALL["after"], "memory": memory}
+            try:
+                inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, run.dev)
+                with options.use(**opts):
+                    row = force_row(f"memory={memory}", model, inputs, "", "replay",
+                                    **timing)  # fmt: skip
+                row["us_per_atom_step"] = 1e3 * row["ms"] / len(atoms)
+            except torch.OutOfMemoryError as exc:
+                row = dict(system=f"memory={memory}", n_atoms=len(atoms),
+                           mode="replay", error=repr(exc)[:200])  # fmt: skip
+            rows.append({**row, "memory": memory, "alloc_conf": conf})
+            bench.write_csv(rows, run.out / "scale.csv")
+            inputs = None
+            free()
+            if "error" in row:
+                break
+    return "done"
+
+
+PARTS = {"stages": stages, "waterfall": waterfall, "md": md, "precision": precision,
+         "scale": scale}  # fmt: skip
 GPU_ONLY = ()
