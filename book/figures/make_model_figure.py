@@ -24,8 +24,8 @@ EDGE, INK, CH, PLANNED = "#555555", "#222222", "#b3541e", "#777777"
 # kernel, or "planned". Chapter 1 writes every stage in plain PyTorch.
 ONCE = [
     ("graph", "neighbour list,\nedges sorted by dst", BLUE, "ch 4"),
-    ("geometry", "edge vectors r_e,\nradial basis + MLP", BLUE, None),
-    ("edge frames", "rotations D_e that\nturn each edge to z", ORANGE, None),
+    ("geometry", "edge vectors r_e,\nradial basis + MLP", BLUE, "ch 7"),
+    ("edge frames", "rotations D_e that\nturn each edge to z", ORANGE, "ch 7"),
     ("initial embedding", "zonal scatter\ninto h0 (N, S, C)", ORANGE, "ch 5"),
 ]
 LAYER = [
@@ -147,7 +147,7 @@ def main(path="book/figures/model.png"):
     ax.text(
         0.16,
         0.14,
-        "Chapter 1: all in PyTorch.  ch 2, 3, 5: a kernel there.  "
+        "Chapter 1: all in PyTorch.  ch 2, 3, 5, 7: a kernel there.  "
         "ch 4: a fixed edge capacity.  ch 6: edge cohorts.",
         fontsize=BODY,
         color=INK,

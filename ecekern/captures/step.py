@@ -32,6 +32,8 @@ Parts (``parts``, comma-separated):
 * ``scale`` -> scale.csv: the replayed step's time and peak memory against the
   number of atoms, per memory strategy, up to the largest box that fits
   (:func:`scale`; run it with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+* ``ncu`` -> ncu_kernels.csv: Nsight Compute on the fused geometry and radial
+  kernels inside a 4096-atom force step (GPU only).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .common import (
     for_boxes,
     force_row,
     free,
+    ncu_part,
     option_steps,
     profiled,
 )
@@ -474,6 +477,11 @@ def scale(run, arg: str = "", cfg=None) -> str:
     return "done"
 
 
+#: Nsight Compute on chapter 7's kernels inside a 4096-atom force step
+#: (:func:`ecekern.captures.targets.step_kernels`)
+_ncu = ncu_part(
+    {"kernels": ("step_kernels", ["-k", "regex:_geometry|_radial|_atoms_kernel"])}
+)
 PARTS = {"stages": stages, "waterfall": waterfall, "md": md, "precision": precision,
-         "scale": scale}  # fmt: skip
-GPU_ONLY = ()
+         "scale": scale, "ncu": _ncu}  # fmt: skip
+GPU_ONLY = ("ncu",)
