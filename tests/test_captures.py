@@ -33,7 +33,13 @@ def test_committed_captures_load_and_have_provenance():
         cap = captures.load(chapter)
         prov = cap.manifest["provenance"]
         assert prov["device"] and prov["commit"] and prov["date"]
-        assert cap.manifest["status"] in ("ok", "interrupted")  # rows kept either way
+        # rows kept either way; a partial run names the parts that failed
+        status = cap.manifest["status"]
+        assert status in ("ok", "interrupted", "partial")
+        if status == "partial":
+            failed = [k for k, v in cap.manifest.items()
+                      if isinstance(v, str) and v.startswith("failed")]  # fmt: skip
+            assert failed, chapter
         for name in cap.manifest["files"]:
             assert name in cap.files()
 
@@ -50,7 +56,7 @@ def test_every_step_csv_has_the_step_schema():
         rows = captures.load(path.parent.name).csv(path.stem)
         schema.check(rows)
         for r in rows:
-            assert r["provenance"]["device"] == "NVIDIA H200", path
+            assert r["provenance"]["device"].startswith(("NVIDIA H100", "NVIDIA H200"))
             assert r.get("error") or r["p10"] <= r["ms"] <= r["p90"], (path, r)
             assert r.get("error") or r["peak_MiB"] > 0
             assert r["reps"] == "" or r["reps"] >= 1  # chapter 4's did not count
@@ -62,7 +68,7 @@ def test_every_step_csv_has_the_step_schema():
         rows = captures.load(path.parent.name).csv(path.stem)
         schema.check(rows, schema.KERNEL_COLUMNS)
         for r in rows:
-            assert r["provenance"]["device"] == "NVIDIA H200", path
+            assert r["provenance"]["device"].startswith(("NVIDIA H100", "NVIDIA H200"))
             assert r.get("error") or (r["n"] > 0 and r["ms"] > 0), (path, r)
             if r["p10"] != "":  # a row that failed, or timed by its median alone
                 assert r["p10"] <= r["ms"] <= r["p90"], (path, r)
@@ -378,7 +384,10 @@ def test_chapter_opening_reads_its_row_and_stage_share():
 
     text = captures.chapter_opening("+ ch5 zonal", ("gie",))
     assert "`gie` takes" in text and "x vs fastest peer" in text
-    assert text.count("\n| 4096 |") == 2  # strict fp32 and TF32
+    mine = [r for r in captures.progress_rows()
+            if (r["system"], r["n_atoms"]) == ("+ ch5 zonal", 4096)]  # fmt: skip
+    assert {r["dtype"] for r in mine} == {"float32", "float32+tf32"}
+    assert text.count("\n| 4096 |") == len(mine)  # each precision, each mode run
     assert "takes" not in captures.chapter_opening("reference", ())
 
 
@@ -544,6 +553,7 @@ def test_option_steps_time_each_case_in_each_mode(tmp_path, quick_timing):
     assert row["capacity"] >= 1.5 * row["n_edges"]
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_the_waterfall_adds_up_to_the_replayed_step(tmp_path):
     """Chapter 7's waterfall (a smoke run in the interpreter): per case the stages
     of the model, the rest outside them and the launch gaps add up to the step, each
@@ -575,6 +585,7 @@ def test_the_waterfall_adds_up_to_the_replayed_step(tmp_path):
         assert float(case[step.STEP]["floor_ms"]) == pytest.approx(floors)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_the_md_part_reports_throughput_and_drift(tmp_path):
     """Chapter 7's MD capture (a smoke run in the interpreter): ASE and TorchSim
     rows with steps per second, ns/day at 1 fs and atom-steps per second that agree
@@ -594,6 +605,8 @@ def test_the_md_part_reports_throughput_and_drift(tmp_path):
         assert abs(float(r["drift_meV_atom_ps"])) < 1e3
 
 
+@pytest.mark.slow  # a capture part in the interpreter: half a minute
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_the_whole_step_precision_part_compares_with_float64(tmp_path):
     """Chapter 7's precision part (a smoke run in the interpreter, the default case
     only): force and energy errors against float64 with the same weights, small and
@@ -615,6 +628,8 @@ def test_the_whole_step_precision_part_compares_with_float64(tmp_path):
     assert all(abs(float(r["drift_meV_per_atom_ps"])) < 10 for r in nve)
 
 
+@pytest.mark.slow  # a capture part in the interpreter: half a minute
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_the_scale_part_grows_the_box_per_memory_strategy(tmp_path):
     """Chapter 7's scale part (a smoke run in the interpreter): per memory strategy,
     its box (one, 8 atoms) with its time per atom-step and the allocator setting."""
