@@ -2,12 +2,6 @@
 
 Parts (``parts``, comma-separated):
 
-* ``stages`` -> stages.csv (step schema, :func:`~.common.option_steps`): the force
-  step replayed as a CUDA graph (float32, the library's plan otherwise) with chapter
-  7's geometry and radial stages as the reference composition and fused
-  (:data:`VARIANTS`), at 512 and 4096 atoms: time (median, p10, p90 of at least 10
-  replays) and peak memory (that of the capture, which the graph's pool keeps); each
-  row's ``plan`` the step plan its options resolved to.
 * ``waterfall`` -> waterfall.csv: the replayed step split into its stages
   (:data:`ecekern.flops.STAGES`; the reference's own passes counted with the
   stage that folds them, :data:`FOLDED`), before and after chapter 7's stages
@@ -51,24 +45,17 @@ from .common import (
     force_row,
     free,
     ncu_part,
-    option_steps,
     profiled,
 )
 from .stages import OUTSIDE, cpu_us, device_us, stage_times
 
-__all__ = ["GPU_ONLY", "PARTS", "VARIANTS", "WATERFALL"]
+__all__ = ["GPU_ONLY", "PARTS", "WATERFALL"]
 
-#: chapter 7's stages: the reference composition, then the fused kernels
-VARIANTS = {
-    "reference geometry and radial": dict(geometry="reference", radial="reference"),
-    "fused geometry": dict(geometry="fused", radial="reference"),
-    "fused geometry and radial": dict(geometry="fused", radial="fused"),
-}
-#: the waterfall's cases: chapter 7's stages off and on (the packed frames they
-#: need: CUDA's default, named for the interpreter's smoke run)
+#: the waterfall's cases: chapter 7's stages as the reference composition and fused
+#: (with the packed frames they need: CUDA's default, named for the interpreter)
 WATERFALL = {
-    "before": VARIANTS["reference geometry and radial"],
-    "after": {**VARIANTS["fused geometry and radial"], "edge_frame": "packed"},
+    "before": dict(geometry="reference", radial="reference"),
+    "after": dict(geometry="fused", radial="fused", edge_frame="packed"),
 }
 #: the mixing stack's precisions, the fp32-accurate default first
 PRECISIONS = ("3xtf32", "tf32", "bf16", "fp32")
@@ -80,17 +67,6 @@ GAPS, STEP = "(replay minus kernels)", "(replayed step)"
 #: the reference's own passes, each counted with the stage chapter 3 folds it into
 FOLDED = {"edge_frames": "geometry", "radial_modulation": "rotate_and_select",
           "aggregate": "pack_and_unrotate"}  # fmt: skip
-
-
-def stages(run, arg: str = "") -> str:
-    """stages.csv: the replayed step per variant of :data:`VARIANTS`."""
-    cases = [(name, kw, {"rep_ms": 500.0, "min_reps": 10})
-             for name, kw in VARIANTS.items()]  # fmt: skip
-
-    def plan(rep, model, inputs, row, kw):  # the plan the options resolved to
-        row["plan"] = model.plan(inputs[0].device, inputs[0].dtype).describe()
-
-    return option_steps(run, cases, "stages", modes=("replay",), each=plan)
 
 
 def floor_ms(cost: dict, precision: str, ceil: dict) -> float:
@@ -482,6 +458,6 @@ def scale(run, arg: str = "", cfg=None) -> str:
 _ncu = ncu_part(
     {"kernels": ("step_kernels", ["-k", "regex:_geometry|_radial|_atoms_kernel"])}
 )
-PARTS = {"stages": stages, "waterfall": waterfall, "md": md, "precision": precision,
+PARTS = {"waterfall": waterfall, "md": md, "precision": precision,
          "scale": scale, "ncu": _ncu}  # fmt: skip
 GPU_ONLY = ("ncu",)

@@ -35,8 +35,9 @@ def gemm():
     _in_range(lambda: a @ b)
 
 
-def force_step(repeats: int = 4):
-    """The reference's force step on ``diamond(repeats)``, strict fp32 (chapter 1)."""
+def force_step(repeats: int = 4, **opts):
+    """The force step on ``diamond(repeats)`` in float32 under the options ``opts``
+    (default: the reference, strict fp32: chapter 1)."""
     import ecekern
     from ecekern import options
     from ecekern.model import force_step as step
@@ -45,7 +46,7 @@ def force_step(repeats: int = 4):
     model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
     atoms = ecekern.systems.diamond(repeats)
     inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
-    with options.use(reference=True):
+    with options.use(**(opts or {"reference": True})):
         _in_range(lambda: step(model, *inputs))
 
 
@@ -191,29 +192,26 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
                   cohort_edges=E)  # fmt: skip
 
 
-def step_kernels(repeats: int = 8):
-    """Chapter 7's fused geometry and radial kernels (forward, backward, the
-    per-atom reduction) inside the library's force step on ``diamond(repeats)``
-    (4096 atoms), float32, the default 3xTF32 stack."""
-    import ecekern
-    from ecekern import options
-    from ecekern.model import force_step as step
-    from ecekern.model import prepare_inputs
-
-    model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
-    atoms = ecekern.systems.diamond(repeats)
-    inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
-    with options.use(geometry="fused", radial="fused"):
-        _in_range(lambda: step(model, *inputs))
-
-
 #: The programs by name; ``cohorts_stack_recompute``: :func:`cohorts_stack` with
-#: ``recompute``.
+#: ``recompute``; ``step_kernels``: chapter 7's fused geometry and radial kernels in
+#: the library's 4096-atom force step (:func:`force_step` with them on).
 TARGETS = {
     f.__name__: f
-    for f in (cohorts_layers, cohorts_stack, copy, gemm, force_step, eqlin_triton,
-              eqlin_dense, zonal_fused, edge_frame, step_kernels)
-} | {"cohorts_stack_recompute": lambda: cohorts_stack(recompute=True)}  # fmt: skip
+    for f in (
+        cohorts_layers,
+        cohorts_stack,
+        copy,
+        gemm,
+        force_step,
+        eqlin_triton,
+        eqlin_dense,
+        zonal_fused,
+        edge_frame,
+    )
+} | {
+    "cohorts_stack_recompute": lambda: cohorts_stack(recompute=True),
+    "step_kernels": lambda: force_step(8, geometry="fused", radial="fused"),
+}
 
 if __name__ == "__main__":
     TARGETS[sys.argv[1]]()
