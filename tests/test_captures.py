@@ -590,6 +590,7 @@ def test_the_md_part_reports_throughput_and_drift(tmp_path):
     """Chapter 7's MD capture (a smoke run in the interpreter): ASE and TorchSim
     rows with steps per second, ns/day at 1 fs and atom-steps per second that agree
     with each other, and a batch of small systems counted by all its atoms."""
+    pytest.importorskip("torch_sim")  # not in `make newest`'s venv
     from ecekern.captures import step
 
     step.md(runner.Run(tmp_path, quick=True, dev="cpu"))
