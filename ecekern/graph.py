@@ -91,12 +91,8 @@ def _as_tensor(name, x, dtype=None, device=None) -> torch.Tensor:
 
 def _fmt(cell: torch.Tensor) -> str:
     """A 3x3 cell in 4 significant digits, on one line."""
-    rows = cell.detach().cpu().double().tolist()
-    return (
-        "["
-        + ", ".join("[" + ", ".join(f"{v:.4g}" for v in r) + "]" for r in rows)
-        + "]"
-    )
+    rows = [", ".join(f"{v:.4g}" for v in r) for r in cell.detach().cpu().tolist()]
+    return "[[" + "], [".join(rows) + "]]"
 
 
 def _is_bool(p) -> bool:
@@ -463,6 +459,8 @@ class Graph:
     the model refuses a graph whose cutoff is not its ``config.cutoff`` (the
     neighbours it needs would be missing, or extra). A Graph made by hand states it:
     ``Graph(src, dst, shifts, row_ptr, cell, cutoff=5.0)``.
+    A batch of B systems (``ecekern.train.batch_graphs``) has ``cell (B, 3, 3)`` and
+    ``system (E,)`` int64, each edge's system.
     """
 
     src: torch.Tensor  # (E,) int64
@@ -472,6 +470,7 @@ class Graph:
     cell: torch.Tensor  # (3, 3) float
     padded: bool = False
     cutoff: float = field(kw_only=True)  # Angstrom, the neighbour search's radius
+    system: torch.Tensor | None = field(default=None, kw_only=True)  # (E,), a batch
     #: whether the values were checked (:func:`check_graph`); ``build_graph``'s are,
     #: a Graph made by hand or by ``dataclasses.replace`` is checked at first use
     checked: bool = field(default=False, init=False, compare=False, repr=False)
@@ -514,7 +513,7 @@ def with_cell(graph: Graph, cell: torch.Tensor) -> Graph:
     """The same graph with another cell (a strained one: the integer shifts stay);
     a checked graph stays checked."""
     new = Graph(graph.src, graph.dst, graph.shifts, graph.row_ptr, cell, graph.padded,
-                cutoff=graph.cutoff)  # fmt: skip
+                cutoff=graph.cutoff, system=graph.system)  # fmt: skip
     object.__setattr__(new, "checked", graph.checked)
     return new
 
@@ -542,6 +541,12 @@ def check_graph(graph: Graph) -> Graph:
     check_csr(graph.dst, graph.row_ptr, E, graph.dst.device)
     if E and (bool(graph.src.min() < 0) or bool(graph.src.max() >= N)):
         raise ValueError(f"graph.src must hold atom indices in [0, {N})")
+    s, cell, B = graph.system, graph.cell, len(graph.cell)
+    if not (cell.shape == (3, 3) if s is None else cell.shape == (B, 3, 3)
+            and s.dtype == torch.int64 and s.shape == (E,)
+            and not (E and bool((s.min() < 0) | (s.max() >= B)))):  # fmt: skip
+        raise ValueError("graph.cell must be (3, 3), or (B, 3, 3) with graph.system "
+                         "(E,) int64 in [0, B) for a batch")  # fmt: skip
     object.__setattr__(graph, "checked", True)
     return graph
 
@@ -577,7 +582,9 @@ def edge_vectors(
     # shift @ cell as elementwise products: a matmul could be rounded to TF32 when a
     # user allows it for float32 (an error of 1e-3 A at a 3.6 A cell vector)
     shifts = graph.shifts.to(positions.dtype)
-    offset = (shifts[:, :, None] * graph.cell.to(positions.dtype)).sum(1)
+    cell = graph.cell.to(positions.dtype)
+    cell = cell if graph.system is None else cell[graph.system]  # (E, 3, 3): a batch
+    offset = (shifts[:, :, None] * cell).sum(1)
     r = positions[graph.src] + offset - positions[graph.dst]
     if not graph.padded:
         return r

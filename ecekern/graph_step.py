@@ -264,6 +264,9 @@ class GraphStep:
             )
         if graph.padded:
             raise ValueError("give the step the neighbour list, not a padded graph")
+        if graph.system is not None:
+            raise ValueError("a GraphStep replays one system; a batch of systems "
+                             "(graph.system) runs eagerly (ecekern.train)")  # fmt: skip
         if not isinstance(positions, torch.Tensor) or positions.shape != (self.N, 3):
             raise ValueError(f"positions must be a ({self.N}, 3) tensor")
         if positions.dtype != self.dtype:

@@ -238,9 +238,9 @@ class ECEModel(checkpoint.Persistent, nn.Module):
                 f"graph has {graph.n_nodes} nodes, positions {positions.shape[0]}"
             )
         graph.check_cutoff(self.config.cutoff)
-        for name in ("src", "dst", "shifts", "row_ptr", "cell"):
+        for name in ("src", "dst", "shifts", "row_ptr", "cell", "system"):
             t = getattr(graph, name)
-            if t.device != positions.device:
+            if t is not None and t.device != positions.device:
                 raise ValueError(
                     f"graph.{name} is on {t.device}, positions on {positions.device}"
                 )
@@ -297,6 +297,10 @@ class ECEModel(checkpoint.Persistent, nn.Module):
         if fused_geometry and gauge is not None:
             options.fallback("geometry [fused]", "a gauge rotation of the frames "
                              "(tests)", "the reference composition")  # fmt: skip
+            fused_geometry = False
+        if fused_geometry and graph.system is not None:
+            options.fallback("geometry [fused]", "a batch of systems (one cell each)",
+                             "the reference composition")  # fmt: skip
             fused_geometry = False
         D = None
         if fused_geometry:  # chapter 7: D never formed, its packed tiles written

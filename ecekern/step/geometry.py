@@ -423,6 +423,8 @@ def geometry(positions, graph: Graph, L: int, M: int, pad_length: float,
     why = why_not(positions.device.type, L, M, positions.dtype)
     if why:
         raise ValueError(f"the fused geometry cannot serve this call: {why}")
+    if graph.system is not None:
+        raise ValueError("the fused geometry takes one system (one cell), not a batch")
     ptr_src, perm_src = src_order(graph) if order is None else order
     g = graph
     cell = g.cell.to(positions.dtype)
