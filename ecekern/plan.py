@@ -182,6 +182,32 @@ class StepPlan:
         rows += [("ignored", f"{w}: {y}") for w, y in self.notes]
         return "\n".join([head, *(f"  {k:<11} {v}" for k, v in rows)])
 
+    def derivatives(self) -> list[tuple[str, str, str, str]]:
+        """``(stage, implementation, forces, training)`` per stage: what computes the
+        force step's backward (``create_graph=False``: MD) and a training step's
+        (forces with ``create_graph=True``, then the loss's backward through them,
+        the mixed second derivative). ``"kernels"``: the stage's own kernels;
+        ``"PyTorch"``: a differentiable composition of torch ops (the reference's,
+        or the stack as its linears). Every fast path serves training so; none
+        falls back."""
+
+        def by(fast: bool) -> str:
+            return "kernels" if fast else "PyTorch"
+
+        linear = {"triton": "kernels", "auto": "the linears' auto path"}.get(
+            self.linear, "PyTorch"
+        )
+        stack = linear if self.stack == "linears" else "PyTorch (the stack's linears)"
+        return [
+            ("geometry", self.geometry, by(self.geometry == "fused"), "PyTorch"),
+            ("radial", self.radial, by(self.radial == "fused"), "PyTorch"),
+            ("zonal", self.zonal, by(self.zonal == "fused"), by(self.zonal == "fused")),
+            ("edge_frame", self.edge_frame, by(self.edge_frame != "reference"),
+             "PyTorch"),
+            ("stack", f"{self.stack}, {self.precision}",
+             "kernels" if self.kernels else linear, stack),
+        ]  # fmt: skip
+
     def describe(self) -> str:
         """One line, for captures and logs: ``stack=layers,precision=3xtf32,...``."""
         return ",".join(
