@@ -201,3 +201,31 @@ def test_bad_training_input_is_refused(tmp_path):
         check_graph(bad)
     with pytest.raises(ValueError, match="one system"):
         ecekern.GraphStep(_model(), s[0].numbers)(s[0].positions, g)
+
+
+def test_the_physics_checks_agree_with_ase(tmp_path):
+    """The checks on EMT copper: the Gamma frequencies equal ASE's Phonons (a
+    different implementation) to 1e-4 THz, the EOS gives EMT's lattice constant
+    (3.59 A) and a bulk modulus near its 134 GPa, and g(r) integrates to 12
+    neighbours in the first shell of fcc."""
+    from ase.calculators.emt import EMT
+    from ase.phonons import Phonons
+
+    from ecekern.train import checks
+
+    a = bulk("Cu", "fcc", a=3.6, cubic=True)
+    mine = checks.gamma_frequencies(EMT(), a)
+    ph = Phonons(a, EMT(), supercell=(1, 1, 1), delta=0.01, name=str(tmp_path / "ph"))
+    ph.run()
+    ph.read(acoustic=False)
+    theirs = np.sort(ph.band_structure([[0, 0, 0]])[0]) / 4.135667696e-3  # eV -> THz
+    np.testing.assert_allclose(mine[3:], theirs[3:], atol=1e-4)
+    assert np.abs(mine[:3]).max() < 1e-3  # the translations
+    eos = checks.equation_of_state(EMT(), a)
+    assert 3.6 * eos["scale"] == pytest.approx(3.59, abs=0.01)
+    assert 120 < eos["B_GPa"] < 150
+    r, g = checks.rdf([a.repeat(2)], r_max=3.0, n_bins=60)
+    rho = len(a) / a.get_volume()
+    lo, hi = r - 0.025, r + 0.025  # the bins' edges
+    n1 = float((g * rho * 4 / 3 * np.pi * (hi**3 - lo**3)).sum())
+    assert n1 == pytest.approx(12.0, rel=1e-9)

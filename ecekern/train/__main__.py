@@ -40,6 +40,7 @@ def _args(argv):
                  "patience", "seed"):  # fmt: skip
         v = getattr(t, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(v), default=v)
+    p.add_argument("--max-seconds", type=float, help="stop after the epoch past this")
     c = ECEConfig()
     for name in ("lmax", "channels", "n_interactions", "n_gated", "cutoff",
                  "avg_num_neighbors"):  # fmt: skip
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     model = model.to(device=a.device, dtype=dtype)
     names = ("epochs", "batch_size", "lr", "weight_decay", "warmup_steps",
              "energy_weight", "force_weight", "stress_weight", "ema_decay",
-             "patience", "seed")  # fmt: skip
+             "patience", "seed", "max_seconds")  # fmt: skip
     cfg = TrainConfig(**{k: getattr(a, k) for k in names})
     print(f"{len(train)} training, {len(val)} validation, {len(test)} test "
           f"structures; {model.config}", file=sys.stderr)  # fmt: skip

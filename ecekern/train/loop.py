@@ -58,6 +58,8 @@ class TrainConfig:
     patience: int = 20
     clip_norm: float = 10.0
     seed: int = 0
+    #: stop after the epoch that passes this wall time (None: no limit)
+    max_seconds: float | None = None
 
     def __post_init__(self):
         for name in ("epochs", "batch_size"):
@@ -209,7 +211,7 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
     m.species_energy.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema = copy.deepcopy(m).requires_grad_(False)
-    n_batches = math.ceil(len(train) / cfg.batch_size)
+    n_batches, started = math.ceil(len(train) / cfg.batch_size), time.perf_counter()
     total, step, best, since, history = cfg.epochs * n_batches, 0, math.inf, 0, []
     logf = open(log, "w") if log is not None else None  # noqa: SIM115
     try:
@@ -260,6 +262,8 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
                 since += 1
                 if since >= cfg.patience:
                     break
+            if cfg.max_seconds and time.perf_counter() - started > cfg.max_seconds:
+                break
     finally:
         if logf is not None:
             logf.close()
