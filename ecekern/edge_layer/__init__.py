@@ -1,0 +1,219 @@
+"""The fused edge layer (chapter 8): rotate, mixing stack, unrotate and aggregate of
+one interaction layer in one kernel per edge tile.
+
+Formula (chapter 3's packed frame ``P``, chapter 6's stack; per edge e, side-major
+channels ``c' < 2C`` of ``A = [h[dst_e] | h[src_e]]``, feature ``f = c' (L+1) + l``)::
+
+    x_t[e, f, m]   = rho[e, f] sum_{s: l(s) = l} P[e, s, t, m] A[e, s, c']
+    u_0 = x;  u_k = u_{k-1} + gate(W_k[m] u_{k-1} + b_k)  (k = 1..K);
+    y = W_out[m] u_K + b_out                               (bias on m = 0, cos)
+    Delta[n, s, c] = scale sum_{e: dst_e = n} env_e sum_{t, m} P[e, s, t, m]
+                     y_t[e, c (L+1) + l(s), m]
+
+Shapes: ``h (N, S, C)``, ``P (E, S, 2, n_ang)``, ``rho (E, F)`` with ``F = 2C(L+1)``
+(any strides), ``env (E,)``, ``src, dst (E,)`` int64 with ``dst`` sorted and
+``row_ptr (N+1,)`` its CSR pointer, ``weights`` K tensors ``(n_ang, F, F)``,
+``biases`` K tensors ``(F,)`` or None, ``weight_out (n_ang, C'(L+1), F)``,
+``bias_out (C'(L+1),)`` or None; ``Delta (N, S, C')``.
+
+Gradients: the backward recomputes the layer in differentiable PyTorch
+(:func:`edge_layer_torch`, the same composition) and differentiates it: every input's
+gradient, and second derivatives, at the reference's cost. The fused backward
+kernel (the tile recomputed in reverse, FUSED_EDGE_LAYER.md) is the next step.
+
+Bytes (forward): ``P``, ``rho``, ``env`` and the indices read once, ``h`` gathered
+(L2-resident), ``Delta`` written once plus two boundary rows a tile; the activations
+stay in each program's scratch (``n_programs x n_ang x 2 x BE x (2F + F')``).
+
+Status: forward tested against the reference composition in float64 and float32
+(Triton's interpreter); not yet measured on a GPU, so no plan selects it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import reference
+from .._triton import tl, triton, why_not_triton
+from ..so3 import lm_tables
+from .kernels import _boundary_kernel, _edge_layer_fwd_kernel
+
+__all__ = ["PRECISIONS", "edge_layer", "edge_layer_torch", "why_not"]
+
+#: The stack's products, as the step plan names them -> ``tl.dot``'s.
+PRECISIONS = {"fp32": "ieee", "3xtf32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
+#: Edges a tile (a power of two, >= 16 for ``tl.dot``).
+BLOCK_E = 16
+#: Programs a GPU launch runs at most (persistent over the tiles).
+MAX_PROGRAMS = 264
+
+
+def why_not(device_type: str, dtype: torch.dtype, F: int) -> str | None:
+    """Why the kernel cannot serve a call, or None."""
+    why = why_not_triton(device_type)
+    if why:
+        return why
+    if dtype not in (torch.float32, torch.float64):
+        return f"{dtype} (the kernel computes in float32 or float64)"
+    if F % 8:
+        return f"F = {F} is not a multiple of 8"
+    return None
+
+
+def _block(n: int, cap: int = 64) -> int:
+    """The largest power of two up to ``cap`` dividing n."""
+    return min(cap, n & -n)
+
+
+def _check(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out):
+    """``(N, E, L, C, NA, F, FO)``; a ValueError or TypeError naming the input."""
+    for name, t in (("h", h), ("P", P), ("rho", rho), ("env", env),
+                    ("weight_out", w_out)):  # fmt: skip
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor")
+        if t.dtype != h.dtype or t.device != h.device:
+            raise TypeError(f"{name} is {t.dtype} on {t.device}, h {h.dtype} on "
+                            f"{h.device}")  # fmt: skip
+    if h.ndim != 3 or P.ndim != 4 or P.shape[2] != 2:
+        raise ValueError("h must be (N, S, C) and P (E, S, 2, n_ang)")
+    N, S, C = h.shape
+    E, NA = P.shape[0], P.shape[3]
+    L = math.isqrt(S) - 1
+    if (L + 1) ** 2 != S or P.shape[1] != S or not 1 <= NA <= L + 1:
+        raise ValueError(f"h's S = {S} and P {tuple(P.shape)} do not fit one L")
+    F = 2 * C * (L + 1)
+    if rho.shape != (E, F) or env.shape != (E,):
+        raise ValueError(f"rho must be ({E}, {F}) and env ({E},)")
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dtype != torch.int64 or t.shape != (E,) or t.device != h.device:
+            raise ValueError(f"{name} must be ({E},) int64 on {h.device}")
+    if row_ptr.dtype != torch.int64 or row_ptr.shape != (N + 1,):
+        raise ValueError(f"row_ptr must be ({N + 1},) int64")
+    if len(biases) != len(weights):
+        raise ValueError("one bias (or None) per gated weight")
+    for w, b in zip(weights, biases):
+        if w.shape != (NA, F, F) or (b is not None and b.shape != (F,)):
+            raise ValueError(f"gated weights must be ({NA}, {F}, {F}), biases ({F},)")
+    FO = w_out.shape[1]
+    if w_out.shape != (NA, FO, F) or FO % (L + 1) or (
+            b_out is not None and b_out.shape != (FO,)):  # fmt: skip
+        raise ValueError(
+            f"weight_out must be ({NA}, C'(L+1), {F}), bias_out (C'(L+1),)"
+        )
+    return N, E, L, C, NA, F, FO
+
+
+def _forward(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out,
+             scale: float, precision: str) -> torch.Tensor:  # fmt: skip
+    """The two launches (module docstring); inputs checked."""
+    N, E, L, C, NA, F, FO = _check(h, P, rho, env, src, dst, row_ptr, weights,
+                                   biases, w_out, b_out)  # fmt: skip
+    S, Cp = (L + 1) ** 2, FO // (L + 1)
+    out = h.new_empty(N, S, Cp)
+    if N == 0:
+        return out
+    BE = BLOCK_E
+    n_tiles = triton.cdiv(E, BE)
+    n_prog = max(1, min(n_tiles, MAX_PROGRAMS if h.is_cuda else 4))
+    part = h.new_zeros(max(n_tiles, 1), 2, S, Cp)
+    K = len(weights)
+    w_g = torch.stack([w.contiguous() for w in weights]) if K else w_out
+    have_b = K and all(b is not None for b in biases)
+    b_g = torch.stack(list(biases)) if have_b else w_out
+    if K and not have_b and any(b is not None for b in biases):
+        b_g = torch.stack([h.new_zeros(F) if b is None else b for b in biases])
+        have_b = True
+    dt = tl.float64 if h.dtype == torch.float64 else tl.float32
+    if E:
+        scratch = h.new_empty(n_prog, NA * 2 * BE * (2 * F + FO))
+        _edge_layer_fwd_kernel[(n_prog,)](
+            h.contiguous(), P.contiguous(), rho, rho.stride(0), rho.stride(1),
+            env.contiguous(), src, dst, w_g, b_g, w_out.contiguous(),
+            w_out if b_out is None else b_out, scratch, out, part, float(scale), E,
+            n_tiles, C, L=L, NA=NA, F=F, FO=FO, K=K, HAS_BG=bool(have_b),
+            HAS_BO=b_out is not None, BE=BE, BN=_block(F), BK=_block(F),
+            BNO=_block(FO), CP=max(16, triton.next_power_of_2(Cp)),
+            PREC=PRECISIONS[precision], DT=dt,
+        )  # fmt: skip
+    _boundary_kernel[(N,)](row_ptr, dst, part, out, E, Cp, S=S, BE=BE,
+                           SC=triton.next_power_of_2(S * Cp))  # fmt: skip
+    return out
+
+
+def edge_layer_torch(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out,
+                     b_out, scale: float) -> torch.Tensor:  # fmt: skip
+    """The module docstring's formula in differentiable PyTorch (the backward's
+    recomputation, and a readable specification)."""
+    E, S, _, NA = P.shape
+    L = math.isqrt(S) - 1
+    N, C = h.shape[0], h.shape[2]
+    A = torch.cat([h[dst], h[src]], dim=-1)  # (E, S, 2C)
+    l_of_s = lm_tables(L).on(h.device).l_of_s
+    deg = torch.nn.functional.one_hot(l_of_s, L + 1).to(h.dtype)  # (S, L+1)
+    x = torch.einsum("sl,estm,esc->etclm", deg, P, A).reshape(E, 2, 2 * C * (L + 1), NA)
+    x = x * rho[:, None, :, None]
+    y_cos, y_sin = reference.mixing_stack(x[:, 0], x[:, 1], list(weights),
+                                          list(biases), w_out, b_out)  # fmt: skip
+    Cp = y_cos.shape[1] // (L + 1)
+    y = torch.stack([y_cos, y_sin], 1).reshape(E, 2, Cp, L + 1, NA)[:, :, :, l_of_s]
+    msg = torch.einsum("estm,etcsm->esc", P, y)
+    return reference.aggregate(msg, dst, N, scale, env)
+
+
+class _EdgeLayerFn(torch.autograd.Function):
+    """The kernels forward; the backward differentiates :func:`edge_layer_torch`."""
+
+    @staticmethod
+    def forward(ctx, h, P, rho, env, w_out, b_out, src, dst, row_ptr, scale,
+                precision, K, *wb):  # fmt: skip
+        ctx.save_for_backward(h, P, rho, env, w_out, b_out, src, dst, row_ptr, *wb)
+        ctx.scale, ctx.K = scale, K
+        return _forward(h, P, rho, env, src, dst, row_ptr, wb[:K], wb[K:], w_out,
+                        b_out, scale, precision)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, G):
+        saved = ctx.saved_tensors
+        needs = list(ctx.needs_input_grad[:6]) + list(ctx.needs_input_grad[12:])
+        floats = list(saved[:6]) + list(saved[9:])
+        double = torch.is_grad_enabled()
+        with torch.enable_grad():
+            ins = [t if t is None or (double and t.requires_grad)
+                   else t.detach().requires_grad_(need)
+                   for t, need in zip(floats, needs)]  # fmt: skip
+            h, P, rho, env, w_out, b_out, *wb = ins
+            src, dst, row_ptr = saved[6:9]
+            out = edge_layer_torch(h, P, rho, env, src, dst, row_ptr, wb[: ctx.K],
+                                   wb[ctx.K :], w_out, b_out, ctx.scale)  # fmt: skip
+            wrt = [t for t, need in zip(ins, needs) if need]
+            got = iter(torch.autograd.grad(out, wrt, G, create_graph=double,
+                                           allow_unused=True))  # fmt: skip
+        grads = [next(got) if need else None for need in needs]
+        return (*grads[:6], None, None, None, None, None, None, *grads[6:])
+
+
+def edge_layer(h, P, rho, env, src, dst, row_ptr, weights, biases, weight_out,
+               bias_out, scale: float, precision: str = "fp32") -> torch.Tensor:  # fmt: skip
+    """``Delta (N, S, C')`` of one interaction layer (module docstring) by the fused
+    kernels; differentiable in every floating-point input. ``precision``: the
+    stack's products (``"fp32"``, ``"3xtf32"``, ``"tf32"``, ``"bf16"``; float64
+    inputs compute in float64 whatever it says). A ValueError where the kernels
+    cannot serve (:func:`why_not`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got "
+                         f"{precision!r}")  # fmt: skip
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+    weights, biases = list(weights), list(biases)
+    _check(h, P, rho, env, src, dst, row_ptr, weights, biases, weight_out, bias_out)
+    F = rho.shape[1]
+    why = why_not(h.device.type, h.dtype, F)
+    if why:
+        raise ValueError(f"the fused edge layer cannot serve this call: {why}")
+    if h.dtype == torch.float64:
+        precision = "fp32"  # tl.dot's "ieee": float64 products
+    return _EdgeLayerFn.apply(h, P, rho, env, weight_out, bias_out, src, dst,
+                              row_ptr, float(scale), precision, len(weights),
+                              *weights, *biases)  # fmt: skip
