@@ -195,7 +195,7 @@ class _EdgeLayerFn(torch.autograd.Function):
 
 
 def edge_layer(h, P, rho, env, src, dst, row_ptr, weights, biases, weight_out,
-               bias_out, scale: float, precision: str = "fp32") -> torch.Tensor:  # fmt: skip
+               bias_out, scale: float, precision: str = "fp32"):  # fmt: skip
     """``Delta (N, S, C')`` of one interaction layer (module docstring) by the fused
     kernels; differentiable in every floating-point input. ``precision``: the
     stack's products (``"fp32"``, ``"3xtf32"``, ``"tf32"``, ``"bf16"``; float64
