@@ -35,10 +35,17 @@ import math
 
 import torch
 
-from .. import reference
+from .. import options, reference
+from .._autograd import engine_uses, grad_node
 from .._triton import tl, triton, why_not_triton
+from ..graph import csr_order
 from ..so3 import lm_tables
-from .kernels import _boundary_kernel, _edge_layer_fwd_kernel
+from .kernels import (
+    _boundary_kernel,
+    _edge_layer_bwd_kernel,
+    _edge_layer_fwd_kernel,
+    _src_sum_kernel,
+)
 
 __all__ = ["PRECISIONS", "edge_layer", "edge_layer_torch", "why_not"]
 
@@ -114,32 +121,82 @@ def _forward(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out,
     out = h.new_empty(N, S, Cp)
     if N == 0:
         return out
-    BE = BLOCK_E
-    n_tiles = triton.cdiv(E, BE)
-    n_prog = max(1, min(n_tiles, MAX_PROGRAMS if h.is_cuda else 4))
+    n_tiles, n_prog = _tiles(E, h.is_cuda)
     part = h.new_zeros(max(n_tiles, 1), 2, S, Cp)
-    K = len(weights)
-    w_g = torch.stack([w.contiguous() for w in weights]) if K else w_out
-    have_b = K and all(b is not None for b in biases)
-    b_g = torch.stack(list(biases)) if have_b else w_out
-    if K and not have_b and any(b is not None for b in biases):
-        b_g = torch.stack([h.new_zeros(F) if b is None else b for b in biases])
-        have_b = True
-    dt = tl.float64 if h.dtype == torch.float64 else tl.float32
     if E:
-        scratch = h.new_empty(n_prog, NA * 2 * BE * (2 * F + FO))
+        scratch = h.new_empty(n_prog, NA * 2 * BLOCK_E * (2 * F + FO))
         _edge_layer_fwd_kernel[(n_prog,)](
             h.contiguous(), P.contiguous(), rho, rho.stride(0), rho.stride(1),
-            env.contiguous(), src, dst, w_g, b_g, w_out.contiguous(),
-            w_out if b_out is None else b_out, scratch, out, part, float(scale), E,
-            n_tiles, C, L=L, NA=NA, F=F, FO=FO, K=K, HAS_BG=bool(have_b),
-            HAS_BO=b_out is not None, BE=BE, BN=_block(F), BK=_block(F),
-            BNO=_block(FO), CP=max(16, triton.next_power_of_2(Cp)),
-            PREC=PRECISIONS[precision], DT=dt,
+            env.contiguous(), src, dst, *_stack_args(weights, biases, w_out, b_out),
+            scratch, out, part, float(scale), E, n_tiles, C,
+            **_meta(L, NA, F, FO, len(weights), biases, b_out, precision, h.dtype),
         )  # fmt: skip
-    _boundary_kernel[(N,)](row_ptr, dst, part, out, E, Cp, S=S, BE=BE,
+    _boundary_kernel[(N,)](row_ptr, dst, part, out, E, Cp, S=S, BE=BLOCK_E,
                            SC=triton.next_power_of_2(S * Cp))  # fmt: skip
     return out
+
+
+def _tiles(E: int, cuda: bool) -> tuple[int, int]:
+    """``(n_tiles, n_programs)`` of a launch over E edges."""
+    n_tiles = triton.cdiv(E, BLOCK_E)
+    return n_tiles, max(1, min(n_tiles, MAX_PROGRAMS if cuda else 4))
+
+
+def _stack_args(weights, biases, w_out, b_out) -> tuple:
+    """``(w_g (K, NA, F, F), b_g (K, F), w_out, b_out)`` as the kernels read them
+    (a missing bias: zeros; an absent tensor: any pointer, never read)."""
+    K = len(weights)
+    w_g = torch.stack([w.contiguous() for w in weights]) if K else w_out
+    b_g = w_out
+    if K and any(b is not None for b in biases):
+        b_g = torch.stack([torch.zeros_like(w_g[0, 0, 0]) if b is None else b
+                           for b in biases])  # fmt: skip
+    return w_g, b_g, w_out.contiguous(), w_out if b_out is None else b_out
+
+
+def _meta(L, NA, F, FO, K, biases, b_out, precision, dtype) -> dict:
+    """The kernels' compile-time arguments."""
+    Cp = FO // (L + 1)
+    return dict(
+        L=L, NA=NA, F=F, FO=FO, K=K,
+        HAS_BG=any(b is not None for b in biases), HAS_BO=b_out is not None,
+        BE=BLOCK_E, BN=_block(F), BK=_block(F), BNO=_block(FO),
+        CP=max(16, triton.next_power_of_2(Cp)), PREC=PRECISIONS[precision],
+        DT=tl.float64 if dtype == torch.float64 else tl.float32,
+    )  # fmt: skip
+
+
+def _backward(G, h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out,
+              scale: float, precision: str, order=None) -> tuple:  # fmt: skip
+    """``(dh, dP, drho, denv)`` of ``<Delta, G>`` by the backward kernel (module
+    docstring), its dst reduction's boundary pass and the src sum."""
+    N, E, L, C, NA, F, FO = _check(h, P, rho, env, src, dst, row_ptr, weights,
+                                   biases, w_out, b_out)  # fmt: skip
+    S = (L + 1) ** 2
+    dh = h.new_empty(N, S, C)
+    dP, drho, denv = torch.zeros_like(P), h.new_empty(E, F), h.new_empty(E)
+    if N == 0:
+        return dh, dP, drho, denv
+    n_tiles, n_prog = _tiles(E, h.is_cuda)
+    part = h.new_zeros(max(n_tiles, 1), 2, S, C)
+    dsrc = h.new_empty(E, S, C)
+    K = len(weights)
+    if E:
+        X = NA * 2 * BLOCK_E * F
+        scratch = h.new_empty(n_prog, X * (4 + K) + 2 * NA * 2 * BLOCK_E * FO)
+        meta = _meta(L, NA, F, FO, K, biases, b_out, precision, h.dtype)
+        _edge_layer_bwd_kernel[(n_prog,)](
+            G.contiguous(), h.contiguous(), P.contiguous(), rho, rho.stride(0),
+            rho.stride(1), env.contiguous(), src, dst,
+            *_stack_args(weights, biases, w_out, b_out), scratch, dh, part, dsrc, dP,
+            drho, drho.stride(0), drho.stride(1), denv, float(scale), E, n_tiles, C,
+            BKO=_block(FO), C2=max(16, triton.next_power_of_2(2 * C)), **meta,
+        )  # fmt: skip
+    SC = triton.next_power_of_2(S * C)
+    _boundary_kernel[(N,)](row_ptr, dst, part, dh, E, C, S=S, BE=BLOCK_E, SC=SC)
+    ptr_src, perm_src = csr_order(src, N) if order is None else order
+    _src_sum_kernel[(N,)](ptr_src, perm_src, dsrc, dh, E, S=S, C=C, SC=SC)
+    return dh, dP, drho, denv
 
 
 def edge_layer_torch(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out,
@@ -169,7 +226,8 @@ class _EdgeLayerFn(torch.autograd.Function):
     def forward(ctx, h, P, rho, env, w_out, b_out, src, dst, row_ptr, scale,
                 precision, K, *wb):  # fmt: skip
         ctx.save_for_backward(h, P, rho, env, w_out, b_out, src, dst, row_ptr, *wb)
-        ctx.scale, ctx.K = scale, K
+        ctx.scale, ctx.K, ctx.precision = scale, K, precision
+        ctx.params = [grad_node(t) for t in (w_out, b_out, *wb) if t is not None]
         return _forward(h, P, rho, env, src, dst, row_ptr, wb[:K], wb[K:], w_out,
                         b_out, scale, precision)  # fmt: skip
 
@@ -179,6 +237,19 @@ class _EdgeLayerFn(torch.autograd.Function):
         needs = list(ctx.needs_input_grad[:6]) + list(ctx.needs_input_grad[12:])
         floats = list(saved[:6]) + list(saved[9:])
         double = torch.is_grad_enabled()
+        if not double and not any(engine_uses(n) for n in ctx.params):
+            # a force step: the kernels (the parameters get no gradient here)
+            h, P, rho, env, w_out, b_out, src, dst, row_ptr, *wb = saved
+            K = ctx.K
+            dh, dP, drho, denv = _backward(G, h, P, rho, env, src, dst, row_ptr,
+                                           wb[:K], wb[K:], w_out, b_out, ctx.scale,
+                                           ctx.precision)  # fmt: skip
+            grads = [dh, dP, drho, denv] + [None] * (len(needs) - 4)
+            grads = [g if need else None for g, need in zip(grads, needs)]
+            return (*grads[:6], None, None, None, None, None, None, *grads[6:])
+        options.fallback("edge_layer backward", "parameter gradients or a second "
+                         "derivative (training)", "the layer recomputed in "
+                         "differentiable PyTorch")  # fmt: skip
         with torch.enable_grad():
             ins = [t if t is None or (double and t.requires_grad)
                    else t.detach().requires_grad_(need)
