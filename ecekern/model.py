@@ -17,8 +17,18 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import checkpoint, cohorts, edge_frame, options, reference, so3, zonal
+from . import (
+    checkpoint,
+    cohorts,
+    edge_frame,
+    edge_layer,
+    options,
+    reference,
+    so3,
+    zonal,
+)
 from .config import ECEConfig
+from .edge_frame.launch import pack
 from .graph import Graph, build_graph, check_graph, edge_vectors
 from .linear import EquivariantLinear, equivariant_linear
 from .plan import StepPlan, stack_precision
@@ -279,6 +289,20 @@ class ECEModel(checkpoint.Persistent, nn.Module):
 
         return rows
 
+    @staticmethod
+    def _edge_layer(layer, plan, frames, D, M, h, rho_t, env, graph, k):
+        """Delta of one interaction layer by chapter 8's fused kernels, from the
+        packed frame tiles (the frames', or packed from D here)."""
+        packed = frames is not None and frames.packed
+        P = frames.d if packed else pack(D, M)
+        order = frames.csr[2:] if frames is not None else None
+        return edge_layer.edge_layer(
+            h, P, rho_t, env, graph.src, graph.dst, graph.row_ptr,
+            [lin.weight for lin in layer.gated], [lin.bias for lin in layer.gated],
+            layer.out.weight, layer.out.bias, k, stack_precision(plan.precision),
+            order,
+        )  # fmt: skip
+
     def atom_energies(
         self, positions, numbers, graph: Graph, gauge=None
     ) -> torch.Tensor:
@@ -353,6 +377,13 @@ class ECEModel(checkpoint.Persistent, nn.Module):
         for layer, rho_t in zip(
             self.interactions, rho.chunk(max(cfg.n_interactions, 1), -1)
         ):
+            if plan.edge_layer == "triton":  # chapter 8: the four stages, one kernel
+                with record_function("ece::edge_layer"):
+                    delta = self._edge_layer(layer, plan, frames, D, M, h, rho_t,
+                                             env, graph, k)  # fmt: skip
+                with record_function("ece::node_update"):
+                    h = reference.node_update(h, delta, layer.node_weight)
+                continue
             if frames is not None:  # the modulation is folded into the store
                 with record_function("ece::rotate_and_select"):
                     x_cos, x_sin = frames.rotate_and_select(h, rho_t, planes)

@@ -2,7 +2,7 @@
 
 One typed, frozen object, :class:`Options`, holds the requests: one field per stage
 (``linear``, ``zonal``, ``edge_frame``, ``stack``, ``memory``, ``geometry``,
-``radial``), one ``precision`` axis for the mixing stack's products, and
+``radial``, ``edge_layer``), one ``precision`` axis for the mixing stack's products, and
 ``reference``, the one switch to the einsum reference everywhere. Every field's
 default is ``"auto"`` (the measured choice: every validated fast path on CUDA, the
 reference on the CPU). The options do not choose kernels themselves: the step
@@ -70,6 +70,7 @@ CHOICES = {
     "memory": ("auto", "plain", "keep", "recompute"),
     "geometry": ("auto", "reference", "fused"),
     "radial": ("auto", "reference", "fused"),
+    "edge_layer": ("auto", "off", "triton"),
 }
 
 
@@ -117,6 +118,10 @@ class Options:
         radial: the radial basis and MLP (chapter 7): ``"reference"`` or
             ``"fused"`` (one kernel per edge tile, in the stack's precision where
             the kernel has it); ``"auto"``: the reference (as ``geometry``).
+        edge_layer: rotate, stack, unrotate and aggregate of each interaction layer
+            in one kernel per edge tile (chapter 8): ``"off"`` (the stages apart)
+            or ``"triton"`` (the Triton kernels, forward and force backward; the
+            stack in ``precision``); ``"auto"``: off (not yet measured on a GPU).
     """
 
     reference: bool = False
@@ -129,6 +134,7 @@ class Options:
     cohort_edges: int | Literal["auto"] = "auto"
     geometry: Literal["auto", "reference", "fused"] = "auto"
     radial: Literal["auto", "reference", "fused"] = "auto"
+    edge_layer: Literal["auto", "off", "triton"] = "auto"
 
     def __post_init__(self):
         if not isinstance(self.reference, bool):

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cohorts, edge_frame, options, zonal
+from . import cohorts, edge_frame, edge_layer, options, zonal
 from ._triton import why_not_triton
 from .linear.triton_modes import MAX_N_ANG
 from .step import geometry as step_geometry
@@ -108,6 +108,9 @@ class StepPlan:
             packed frame tiles, so only beside ``edge_frame`` packed).
         radial: ``"reference"`` or ``"fused"`` (chapter 7), the kernel in
             ``radial_precision``.
+        edge_layer: ``"off"`` or ``"triton"`` (chapter 8: rotate, stack, unrotate
+            and aggregate in one kernel per edge tile, the stack in ``precision``;
+            ``stack``, ``memory`` and ``edge_frame``'s two ops then idle).
         fallbacks: ``(stage, reason, what runs instead)`` for each fast path that
             could not serve.
         notes: requests that change nothing here.
@@ -127,6 +130,7 @@ class StepPlan:
     linear: str
     geometry: str = "reference"
     radial: str = "reference"
+    edge_layer: str = "off"
     fallbacks: tuple = ()
     notes: tuple = ()
     options: options.Options = options.Options()
@@ -177,6 +181,9 @@ class StepPlan:
             ("memory", memory),
             ("linear", self.linear if self.stack == "linears" else "(not used)"),
         ]
+        if self.edge_layer != "off":
+            rows.append(("edge_layer", f"{self.edge_layer}, {self.precision} (runs "
+                         "the stack)"))  # fmt: skip
         falls = [f"{s}: {r} -> {t}" for s, r, t in self.fallbacks] or ["none"]
         rows += [("fallbacks", falls[0])] + [("", f) for f in falls[1:]]
         rows += [("ignored", f"{w}: {y}") for w, y in self.notes]
@@ -206,6 +213,8 @@ class StepPlan:
              "PyTorch"),
             ("stack", f"{self.stack}, {self.precision}",
              "kernels" if self.kernels else linear, stack),
+            ("edge_layer", self.edge_layer, by(self.edge_layer != "off"),
+             "PyTorch (the layer recomputed)" if self.edge_layer != "off" else "-"),
         ]  # fmt: skip
 
     def describe(self) -> str:
@@ -221,6 +230,7 @@ class StepPlan:
                 "precision",
                 "memory",
                 "linear",
+                "edge_layer",
             )  # fmt: skip
         )
 
@@ -392,9 +402,18 @@ def _resolve(device_type, capability, dtype, tf32, shapes: Shapes, opts,
         if why:
             fall.append(("radial [fused]", why, "the reference composition"))
             rad = "reference"
+    # the fused edge layer (chapter 8): "auto" is off until a GPU run measures it
+    el = "off" if opts.edge_layer == "auto" else opts.edge_layer
+    if el == "triton":
+        why = edge_layer.why_not(device_type, dtype, shapes.F)
+        if why is None and compiling:
+            why = "torch.compile traces the step (the layer is no torch.library op)"
+        if why:
+            fall.append(("edge_layer [triton]", why, "the stages apart"))
+            el = "off"
     return StepPlan(precision=precision, zonal=z, edge_frame=ef, stack=stack,
                     memory=memory, cohort_edges=cohort_edges, linear=linear,
-                    geometry=geo, radial=rad, fallbacks=tuple(fall),
+                    geometry=geo, radial=rad, edge_layer=el, fallbacks=tuple(fall),
                     notes=tuple(notes), **base)  # fmt: skip
 
 

@@ -236,3 +236,26 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="float16"):
         _fused(half)
     assert math.isfinite(float(_fused(c).sum()))
+
+
+@pytest.mark.parametrize("edge_frame", ["reference", "packed"])
+def test_the_model_with_the_edge_layer_equals_the_reference(edge_frame):
+    """A float64 force step with ``edge_layer="triton"`` (P packed from D, or the
+    edge-frame kernels' tiles) gives the reference's energy and forces to 1e-12."""
+    import ecekern
+    from ecekern.model import force_step, prepare_inputs
+
+    cfg = ecekern.ECEConfig(lmax=1, channels=2, n_gated=1, cutoff=2.0,
+                            radial_hidden=4, readout_hidden=2,
+                            avg_num_neighbors=4.0)  # fmt: skip
+    model = ecekern.ECEModel(cfg).double().to(DEV)
+    atoms = ecekern.systems.diamond(1)
+    atoms.rattle(0.05, seed=1)
+    inputs = prepare_inputs(atoms, cfg.cutoff, torch.float64, DEV)
+    with ecekern.options.use(reference=True):
+        e0, f0 = force_step(model, *inputs)
+    with ecekern.options.use(edge_layer="triton", edge_frame=edge_frame):
+        assert model.plan().edge_layer == "triton"
+        e1, f1 = force_step(model, *inputs)
+    assert float(e1) == pytest.approx(float(e0), abs=1e-12)
+    torch.testing.assert_close(f1, f0, atol=1e-12, rtol=0)

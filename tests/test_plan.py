@@ -301,3 +301,22 @@ def test_a_new_plan_is_logged_once(caplog):
         resolve("cpu", **opts)
     said = [r.getMessage() for r in caplog.records if r.name == "ecekern.plan"]
     assert len(said) == 1 and "cohorts of 12345 edges" in said[0]
+
+
+def test_the_edge_layer_stage():
+    """Chapter 8's fused edge layer: off unless asked (not yet measured on a GPU);
+    asked, it runs where Triton does, in the stack's precision, and a traced step
+    falls back loudly to the stages apart."""
+    for auto in (resolve("cpu"), resolve("cuda")):
+        assert auto.edge_layer == "off"
+    on = resolve("cuda", edge_layer="triton")
+    assert (on.edge_layer, on.precision, on.fallbacks) == ("triton", "3xtf32", ())
+    assert "edge_layer  triton, 3xtf32" in repr(on)
+    assert ("edge_layer", "triton", "kernels",
+            "PyTorch (the layer recomputed)") in on.derivatives()  # fmt: skip
+    traced = plan.resolve("cuda", (9, 0), torch.float32, False, SHAPES,
+                          Options(edge_layer="triton"), compiling=True)  # fmt: skip
+    assert traced.edge_layer == "off"
+    assert any(s == "edge_layer [triton]" for s, _, _ in traced.fallbacks)
+    half = resolve("cuda", dtype=torch.float16, edge_layer="triton")
+    assert half.edge_layer == "off"

@@ -16,17 +16,23 @@ Shapes: ``h (N, S, C)``, ``P (E, S, 2, n_ang)``, ``rho (E, F)`` with ``F = 2C(L+
 ``biases`` K tensors ``(F,)`` or None, ``weight_out (n_ang, C'(L+1), F)``,
 ``bias_out (C'(L+1),)`` or None; ``Delta (N, S, C')``.
 
-Gradients: the backward recomputes the layer in differentiable PyTorch
-(:func:`edge_layer_torch`, the same composition) and differentiates it: every input's
-gradient, and second derivatives, at the reference's cost. The fused backward
-kernel (the tile recomputed in reverse, FUSED_EDGE_LAYER.md) is the next step.
+Gradients. A force step's backward (no parameter asks for a gradient) is one more
+kernel per edge tile: the tile recomputed (each gated layer's z and the output y
+kept in scratch), then in reverse the unrotation's adjoint (``dy``, its share of
+``dP``, ``denv``), the stack's (``W^T dz`` and the gates' adjoints) and the
+rotation's (``dA``, ``dP``, ``drho``); ``dA``'s dst half is reduced per segment as
+in the forward, its src half written per edge and summed per node in src order.
+Parameter gradients and second derivatives (training) recompute the layer in
+differentiable PyTorch (:func:`edge_layer_torch`) and say so once
+(:class:`~ecekern.options.FallbackWarning`).
 
 Bytes (forward): ``P``, ``rho``, ``env`` and the indices read once, ``h`` gathered
 (L2-resident), ``Delta`` written once plus two boundary rows a tile; the activations
 stay in each program's scratch (``n_programs x n_ang x 2 x BE x (2F + F')``).
 
-Status: forward tested against the reference composition in float64 and float32
-(Triton's interpreter); not yet measured on a GPU, so no plan selects it.
+Status: forward and force backward tested against the reference composition in
+float64 and float32 (Triton's interpreter); not yet run on a GPU, so ``"auto"``
+leaves it off.
 """
 
 from __future__ import annotations
@@ -224,9 +230,9 @@ class _EdgeLayerFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, P, rho, env, w_out, b_out, src, dst, row_ptr, scale,
-                precision, K, *wb):  # fmt: skip
+                precision, K, order, *wb):  # fmt: skip
         ctx.save_for_backward(h, P, rho, env, w_out, b_out, src, dst, row_ptr, *wb)
-        ctx.scale, ctx.K, ctx.precision = scale, K, precision
+        ctx.scale, ctx.K, ctx.precision, ctx.order = scale, K, precision, order
         ctx.params = [grad_node(t) for t in (w_out, b_out, *wb) if t is not None]
         return _forward(h, P, rho, env, src, dst, row_ptr, wb[:K], wb[K:], w_out,
                         b_out, scale, precision)  # fmt: skip
@@ -234,7 +240,7 @@ class _EdgeLayerFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, G):
         saved = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[:6]) + list(ctx.needs_input_grad[12:])
+        needs = list(ctx.needs_input_grad[:6]) + list(ctx.needs_input_grad[13:])
         floats = list(saved[:6]) + list(saved[9:])
         double = torch.is_grad_enabled()
         if not double and not any(engine_uses(n) for n in ctx.params):
@@ -243,10 +249,10 @@ class _EdgeLayerFn(torch.autograd.Function):
             K = ctx.K
             dh, dP, drho, denv = _backward(G, h, P, rho, env, src, dst, row_ptr,
                                            wb[:K], wb[K:], w_out, b_out, ctx.scale,
-                                           ctx.precision)  # fmt: skip
+                                           ctx.precision, ctx.order)  # fmt: skip
             grads = [dh, dP, drho, denv] + [None] * (len(needs) - 4)
             grads = [g if need else None for g, need in zip(grads, needs)]
-            return (*grads[:6], None, None, None, None, None, None, *grads[6:])
+            return (*grads[:6], *[None] * 7, *grads[6:])
         options.fallback("edge_layer backward", "parameter gradients or a second "
                          "derivative (training)", "the layer recomputed in "
                          "differentiable PyTorch")  # fmt: skip
@@ -262,16 +268,17 @@ class _EdgeLayerFn(torch.autograd.Function):
             got = iter(torch.autograd.grad(out, wrt, G, create_graph=double,
                                            allow_unused=True))  # fmt: skip
         grads = [next(got) if need else None for need in needs]
-        return (*grads[:6], None, None, None, None, None, None, *grads[6:])
+        return (*grads[:6], *[None] * 7, *grads[6:])
 
 
 def edge_layer(h, P, rho, env, src, dst, row_ptr, weights, biases, weight_out,
-               bias_out, scale: float, precision: str = "fp32"):  # fmt: skip
+               bias_out, scale: float, precision="fp32", order=None):  # fmt: skip
     """``Delta (N, S, C')`` of one interaction layer (module docstring) by the fused
     kernels; differentiable in every floating-point input. ``precision``: the
     stack's products (``"fp32"``, ``"3xtf32"``, ``"tf32"``, ``"bf16"``; float64
-    inputs compute in float64 whatever it says). A ValueError where the kernels
-    cannot serve (:func:`why_not`)."""
+    inputs compute in float64 whatever it says). ``order``: ``(ptr_src,
+    perm_src)``, the edges in src order, where the caller has it (the backward's
+    src sum). A ValueError where the kernels cannot serve (:func:`why_not`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got "
                          f"{precision!r}")  # fmt: skip
@@ -287,4 +294,4 @@ def edge_layer(h, P, rho, env, src, dst, row_ptr, weights, biases, weight_out,
         precision = "fp32"  # tl.dot's "ieee": float64 products
     return _EdgeLayerFn.apply(h, P, rho, env, weight_out, bias_out, src, dst,
                               row_ptr, float(scale), precision, len(weights),
-                              *weights, *biases)  # fmt: skip
+                              order, *weights, *biases)  # fmt: skip
