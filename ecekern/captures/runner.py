@@ -51,7 +51,6 @@ CHAPTERS = {
     "05_zonal": "zonal",
     "06_cohorts": "cohorts",
     "07_step": "step",
-    "A_train": "train",
 }
 
 
