@@ -221,7 +221,8 @@ def test_every_chapter_is_a_module_of_parts():
     GPU-only parts among them and a default that parses; a chapter in the book has
     its captures."""
     slugs = {"methodology", "01_reference", "02_linear", "03_edge_frame",
-             "04_graph_step", "05_zonal", "06_cohorts", "07_step"}  # fmt: skip
+             "04_graph_step", "05_zonal", "06_cohorts", "07_step",
+             "08_edge_layer"}  # fmt: skip
     assert set(runner.CHAPTERS) == slugs
     for slug in runner.CHAPTERS:
         mod = runner.chapter_module(slug)
@@ -647,3 +648,16 @@ def test_the_scale_part_grows_the_box_per_memory_strategy(tmp_path):
         per = 1e3 * float(r["ms"]) / int(r["n_atoms"])
         assert float(r["us_per_atom_step"]) == pytest.approx(per)
         assert r["mode"] == "replay" and "alloc_conf" in r
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
+def test_the_edge_layer_steps_part_compares_the_two_plans(tmp_path):
+    """Chapter 8's steps part (a smoke run in the interpreter): the layer kernels'
+    and the fused edge layer's step, each row naming its plan."""
+    from ecekern.captures import edge_layer
+
+    edge_layer.PARTS["steps"](runner.Run(tmp_path, quick=True, dev="cpu"), "")
+    rows = _rows(tmp_path / "steps.csv")
+    plans = ["precision=3xtf32,stack=layers", "precision=3xtf32,edge_layer=triton"]
+    assert [r["plan"] for r in rows] == plans
+    assert all(float(r["ms"]) > 0 and r["mode"] == "eager" for r in rows)

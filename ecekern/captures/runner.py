@@ -51,6 +51,7 @@ CHAPTERS = {
     "05_zonal": "zonal",
     "06_cohorts": "cohorts",
     "07_step": "step",
+    "08_edge_layer": "edge_layer",
 }
 
 

@@ -211,6 +211,7 @@ TARGETS = {
 } | {
     "cohorts_stack_recompute": lambda: cohorts_stack(recompute=True),
     "step_kernels": lambda: force_step(8, geometry="fused", radial="fused"),
+    "edge_layer_step": lambda: force_step(4, edge_layer="triton"),
 }
 
 if __name__ == "__main__":
