@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .. import ECEConfig, ECEModel
+from .. import ECEConfig, ECEModel, bench
 from . import TrainConfig, evaluate, fit, read, split
 
 
@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     if test:
         meta["test_metrics"] = evaluate(best, test, cfg.batch_size, by_family=True)
     meta["data"] = [str(d) for d in a.data]
+    meta["log"] = a.log
+    meta["provenance"] = bench.provenance(dtype)
     best.to("cpu").save(a.out, metadata=meta)
     print(json.dumps({k: meta[k] for k in ("val_metrics", "test_metrics")
                       if k in meta}, indent=1))  # fmt: skip
