@@ -52,6 +52,7 @@ CHAPTERS = {
     "06_cohorts": "cohorts",
     "07_step": "step",
     "08_edge_layer": "edge_layer",
+    "A_train": "train",
 }
 
 
