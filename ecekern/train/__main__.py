@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         meta["test_metrics"] = evaluate(best, test, cfg.batch_size, by_family=True)
     meta["data"] = [str(d) for d in a.data]
     meta["log"] = a.log
-    meta["provenance"] = bench.provenance(dtype)
+    meta["provenance"] = {k: str(v) for k, v in bench.provenance(dtype).items()}
     best.to("cpu").save(a.out, metadata=meta)
     print(json.dumps({k: meta[k] for k in ("val_metrics", "test_metrics")
                       if k in meta}, indent=1))  # fmt: skip

@@ -161,23 +161,38 @@ def evaluate(model, samples: list[Sample], batch_size: int = 8,
 
 
 @torch.no_grad()
-def init_scale(model, samples: list[Sample], batch_size: int = 8) -> float:
+def init_scale(model, samples: list[Sample], batch_size: int = 32) -> float:
     """Set ``species_energy`` to the training set's reference energies and scale
-    the readout's last layer so that the model's force RMS matches the targets'
-    (forces are linear in that layer). Returns the factor applied."""
+    the readout's last layer (energies and forces are linear in it) by the largest
+    factor that keeps both the model's force RMS and the spread of its energy per
+    atom within the targets' (on the first ``batch_size`` samples); its bias then
+    centres the network's energy per atom there. Returns the factor applied."""
     m = unwrap(model)
     p = next(m.parameters())
-    m.species_energy.copy_(fit_reference_energies(samples, m.config.species))
+    e0 = fit_reference_energies(samples, m.config.species)
+    m.species_energy.copy_(e0)
     b = collate(samples[:batch_size], m.config.cutoff, p.dtype, p.device)
-    _, forces, _ = predict(m, b)
-    want, have = (
-        float(b.forces.square().mean().sqrt()),
-        float(forces.square().mean().sqrt()),
+    base = torch.zeros_like(b.energy).index_add(
+        0, b.atom_system, m.species_energy[m.species_index(b.numbers)]
     )
-    scale = want / have if have > 0 and want > 0 else 1.0
+    n = b.n_atoms.to(b.energy.dtype)
+    energy, forces, _ = predict(m, b)
+
+    def rms(t):
+        return float(t.square().mean().sqrt())
+
+    def spread(t):
+        return float(t.std()) if t.numel() > 1 else rms(t)
+
+    ratios = [rms(b.forces) / rms(forces) if rms(forces) > 0 else math.inf,
+              spread((b.energy - base) / n) / spread((energy - base) / n)
+              if spread((energy - base) / n) > 0 else math.inf]  # fmt: skip
+    scale = min(ratios) if math.isfinite(min(ratios)) else 1.0
     last = m.readout[-1]
     last.weight.mul_(scale)
     last.bias.zero_()
+    energy, _, _ = predict(m, b)
+    last.bias.sub_(float((energy - base).sum() / n.sum()))
     return scale
 
 
