@@ -18,17 +18,9 @@ import json
 import os
 from pathlib import Path
 
-__all__ = [
-    "PROGRESS_PEERS",
-    "PROGRESS_ROWS",
-    "Capture",
-    "capture_root",
-    "load",
-    "markdown_table",
-    "ncu_kernels",
-    "progress_order",
-    "progress_rows",
-]
+__all__ = ["PROGRESS_PEERS", "PROGRESS_ROWS", "Capture", "capture_root", "load",
+           "markdown_table", "ncu_kernels", "progress_order",
+           "progress_rows"]  # fmt: skip
 
 
 def capture_root() -> Path:

@@ -6,6 +6,7 @@ dicts (:func:`option_steps`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import subprocess
@@ -18,22 +19,9 @@ import torch
 from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
-__all__ = [
-    "BEFORE_CH6",
-    "compile_model",
-    "device",
-    "for_boxes",
-    "force_row",
-    "free",
-    "ncu_part",
-    "option_steps",
-    "profile_table",
-    "profiled",
-    "run_ncu",
-    "step_error",
-    "sync",
-    "timing_columns",
-]
+__all__ = ["BEFORE_CH6", "compile_model", "device", "for_boxes", "force_row", "free",
+           "ncu_part", "option_steps", "profile_table", "profiled", "run_ncu",
+           "step_error", "switched", "sync", "timing_columns"]  # fmt: skip
 
 #: What Nsight Compute is asked for: the metrics the loader reads
 #: (:data:`ecekern.captures.NCU_COLUMNS`, L2 bytes), the stall reasons, and the
@@ -116,6 +104,18 @@ def compile_model(model, inputs, dev: str = "cuda"):
     force_step(compiled, *inputs)
     sync(dev)
     return compiled, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def switched(opts: dict, tf32: bool = False):
+    """A block under the options ``opts`` (yields :func:`ecekern.options.use`'s
+    options in force) with TF32 switched to ``tf32``, and off again after."""
+    bench.set_tf32(tf32)
+    try:
+        with options.use(**opts) as now:
+            yield now
+    finally:
+        bench.set_tf32(False)
 
 
 def device() -> str:
@@ -278,15 +278,11 @@ def option_steps(run, cases, name, cfg=None, reps=None, modes=("eager",), each=N
     def body(rep, model, inputs):
         for mode, (label, opts, kw) in itertools.product(modes, cases):
             kw = dict(kw)
-            bench.set_tf32(kw.pop("tf32", False))
-            try:
-                with options.use(**opts):
-                    plan = schema.plan(opts)
-                    rows.append(force_row(label, model, inputs, plan, mode, **kw))
-                    if each is not None:
-                        each(rep, model, inputs, rows[-1], kw)
-            finally:
-                bench.set_tf32(False)
+            with switched(opts, kw.pop("tf32", False)):
+                plan = schema.plan(opts)
+                rows.append(force_row(label, model, inputs, plan, mode, **kw))
+                if each is not None:
+                    each(rep, model, inputs, rows[-1], kw)
             schema.write(rows, run.out / f"{name}.csv")
             free()
 

@@ -31,10 +31,10 @@ import torch
 from .. import bench, options
 from ..flops import counted_flops, step_flops
 from . import progress_order, schema
-from .common import compile_model, for_boxes, force_row, free, profiled, step_error
+from .common import compile_model, for_boxes, force_row, free, step_error, switched
 from .reference import peer_models
 from .schema import MODES
-from .stages import stage_times
+from .stages import stage_rows
 
 __all__ = ["OURS", "capture"]
 
@@ -182,7 +182,7 @@ def capture(
     budget = budget_s if budget_s is not None else BUDGET_S
     info: dict = {"progress_budget_s": budget}
     table = _Table(out / "progress.csv")
-    stage_rows: list[dict] = []
+    stages: list[dict] = []
     cfg = config if config is not None else ecekern.ECEConfig()
     info["progress_config"] = cfg.to_dict()
     defaults = options.current()
@@ -197,32 +197,28 @@ def capture(
         ours = dict(flop=step_flops(cfg, n, n_edges)["total"], flop_source="model")
         peer_flop = _peer_flop(peers, inputs, info)
         for tf32, mode in itertools.product(precisions, MODES):
-            bench.set_tf32(tf32)
-            try:
-                for label, opts in OURS.items():
-                    with options.use(**opts) as now:
-                        if label == "library defaults":
-                            info["library_defaults"] = repr(now)
-                        plan = _paths(model, inputs)
-                        _row(table, label, model, inputs, rep_ms, info, plan, mode,
-                             **ours)  # fmt: skip
-                    free()
-                for label, peer in peers:
-                    flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
+            for label, opts in OURS.items():
+                with switched(opts, tf32) as now:
+                    if label == "library defaults":
+                        info["library_defaults"] = repr(now)
+                    plan = _paths(model, inputs)
+                    _row(table, label, model, inputs, rep_ms, info, plan, mode, **ours)
+                free()
+            for label, peer in peers:
+                flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
+                with switched({}, tf32):
                     _row(table, label, peer, inputs, rep_ms, info, "", mode, **flop)
-                    free()
-            finally:
-                bench.set_tf32(False)
+                free()
         if rep != boxes[-1]:
             return
         for label in ("reference", "library defaults"):  # by stage, strict fp32
             with options.use(**OURS[label]):
                 step = lambda: force_step(model, *inputs)
                 try:
-                    stage_rows.extend(_stages(label, step, n, dev))
+                    stages.extend(stage_rows(label, step, n, dev))
                 except Exception as exc:
                     info[f"stages: {label}"] = f"failed: {exc!r}"[:500]
-            bench.write_csv(stage_rows, out / "stages.csv")
+            bench.write_csv(stages, out / "stages.csv")
             free()
 
     last_compile = [90.0]  # seconds: the reference's first compile on the H200
@@ -253,23 +249,7 @@ def capture(
 
     for_boxes(None, eager, cfg, boxes, dev)
     for tf32 in precisions:  # strict fp32 first
-        bench.set_tf32(tf32)
-        try:
+        with switched({}, tf32):
             for_boxes(None, compiled, cfg, boxes, dev)
-        finally:
-            bench.set_tf32(False)
     info["progress_seconds"] = round(time.time() - t_start, 1)
     return info
-
-
-def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
-    """Rows of stages.csv: one force step's forward and backward kernel time by
-    stage (``iters`` steps profiled, per step; on a CPU, CPU time)."""
-    from .stages import cpu_us, device_us
-
-    prof = profiled(step, iters, dev)[0]
-    time_us = device_us if dev == "cuda" else cpu_us
-    times = stage_times(prof.events(), time_us, iters=iters)
-    prov = bench.provenance(torch.float32)
-    return [{"system": label, "n_atoms": n_atoms, "stage": stage, "forward_ms": f,
-             "backward_ms": b, **prov} for stage, (f, b) in times.items()]  # fmt: skip

@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from .. import bench, options
-from . import schema
-from .common import compile_model, for_boxes, force_row, free, ncu_part, profile_table
+from .. import options
+from . import common, schema
 
 __all__ = ["PARTS", "PEERS", "peer_models"]
 
@@ -78,7 +77,7 @@ def _progress(run, arg: str) -> dict:
     )
 
 
-_ncu = ncu_part({"force_step": ("force_step", None)}, timeout=180)
+_ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
 
 
 def _reference_row(rep: int, dtype=torch.float32, rep_ms: float = 400.0) -> dict:
@@ -95,8 +94,9 @@ def _reference_row(rep: int, dtype=torch.float32, rep_ms: float = 400.0) -> dict
     g_ms = (time.perf_counter() - t0) * 1e3
     model = ecekern.ECEModel(cfg).to(device="cuda", dtype=dtype)
     with options.use(**REFERENCE):
-        return force_row("reference", model, inputs, schema.plan(REFERENCE),
-                         rep_ms=rep_ms, forward=True, graph_ms_wall=g_ms)  # fmt: skip
+        return common.force_row("reference", model, inputs, schema.plan(REFERENCE),
+                                rep_ms=rep_ms, forward=True,
+                                graph_ms_wall=g_ms)  # fmt: skip
 
 
 def _reference(run, arg: str) -> str:
@@ -104,18 +104,12 @@ def _reference(run, arg: str) -> str:
     TF32, fp64 (:func:`_reference_row`)."""
     rows = []
     for rep in run.reps(quick=(2, 4)):
-        for dtype, tf32 in [
-            (torch.float32, False),
-            (torch.float32, True),
-            (torch.float64, False),
-        ]:
-            bench.set_tf32(tf32)
-            try:
+        for dtype, tf32 in ((torch.float32, False), (torch.float32, True),
+                            (torch.float64, False)):  # fmt: skip
+            with common.switched({}, tf32):
                 rows.append(_reference_row(rep, dtype))
-                schema.write(rows, run.out / "force_step.csv")
-            finally:
-                bench.set_tf32(False)
-                free()
+            schema.write(rows, run.out / "force_step.csv")
+            common.free()
     return "done"
 
 
@@ -126,10 +120,10 @@ def _profiles(run, arg: str) -> str:
     def body(rep, model, inputs):
         n = inputs[0].shape[0]
         with options.use(**REFERENCE):
-            profile_table(lambda: force_step(model, *inputs), run.out,
-                          f"profile_step_{n}")  # fmt: skip
+            step = lambda: force_step(model, *inputs)
+            common.profile_table(step, run.out, f"profile_step_{n}")
 
-    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
+    common.for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     return "done"
 
 
@@ -142,15 +136,16 @@ def _peers(run, arg: str) -> dict:
     def body(rep, model, inputs):
         try:
             with options.use(**REFERENCE):
-                compiled, compile_s = compile_model(model, inputs)
+                compiled, compile_s = common.compile_model(model, inputs)
                 name = "reference + torch.compile"
-                rows.append(force_row(name, compiled, inputs, plan, forward=True,
-                                      compile_s=compile_s))  # fmt: skip
+                rows.append(common.force_row(name, compiled, inputs, plan,
+                                             forward=True,
+                                             compile_s=compile_s))  # fmt: skip
             schema.write(rows, run.out / "peers.csv")
         except Exception as exc:
             info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
 
-    for_boxes(run, body, reps=run.reps(quick=(2, 4)))
+    common.for_boxes(run, body, reps=run.reps(quick=(2, 4)))
     return info
 
 
@@ -171,7 +166,7 @@ def _scaling(run, arg: str) -> dict:
             info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
             break
         finally:
-            free()
+            common.free()
     schema.write(rows, run.out / "scaling.csv")
     return info
 

@@ -31,15 +31,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = [
-    "CHAPTERS",
-    "Interrupted",
-    "Run",
-    "main",
-    "merge_part_run",
-    "parse_parts",
-    "run_chapter",
-]
+__all__ = ["CHAPTERS", "Interrupted", "Run", "main", "merge_part_run", "parse_parts",
+           "run_chapter"]  # fmt: skip
 
 #: The chapters by slug: the module (of this package) that captures each.
 CHAPTERS = {
@@ -77,6 +70,12 @@ class Run:
         if self.boxes:
             return [int(b) for b in self.boxes.split(",")]
         return list(quick if self.quick else full)
+
+    def timing(self, rep_ms: float, min_reps: int) -> dict:
+        """:func:`~.common.force_row`'s timing arguments: these on a GPU, one timed
+        call in Triton's interpreter (a smoke test)."""
+        cuda = self.dev == "cuda"
+        return dict(rep_ms=rep_ms if cuda else 1.0, min_reps=min_reps if cuda else 1)
 
 
 def parse_parts(parts: str, known) -> dict[str, str]:
