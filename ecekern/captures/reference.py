@@ -1,5 +1,6 @@
-"""Chapter 1's capture: the reference force step, by stage, against size, beside the
-peers; and the book's progress table (``progress``, :mod:`.progress`).
+"""Chapter 1's capture: the reference force step at the standard boxes, its profiles
+and its kernels, the peers the progress table measures beside it; and the book's
+progress table (``progress``, :mod:`.progress`).
 
 Every measurement of the reference runs under ``options.use(reference=True)``: the
 library's defaults take the fast paths of later chapters on CUDA.
@@ -127,57 +128,7 @@ def _profiles(run, arg: str) -> str:
     return "done"
 
 
-def _peers(run, arg: str) -> dict:
-    """peers.csv: the reference under ``torch.compile``, strict fp32, its forward too
-    (a fresh compile per box: static shapes, as a user with one system has); e3nn's
-    and cuEquivariance's convolutions are rows of the ``progress`` part."""
-    rows, info, plan = [], {}, schema.plan({**REFERENCE, "compile": True})
-
-    def body(rep, model, inputs):
-        try:
-            with options.use(**REFERENCE):
-                compiled, compile_s = common.compile_model(model, inputs)
-                name = "reference + torch.compile"
-                rows.append(common.force_row(name, compiled, inputs, plan,
-                                             forward=True,
-                                             compile_s=compile_s))  # fmt: skip
-            schema.write(rows, run.out / "peers.csv")
-        except Exception as exc:
-            info[f"compile_{rep}"] = f"failed: {exc!r}"[:500]
-
-    common.for_boxes(run, body, reps=run.reps(quick=(2, 4)))
-    return info
-
-
-def _scaling(run, arg: str) -> dict:
-    """Time and peak memory against system size, strict fp32 (:func:`_reference_row`),
-    until memory runs out or the time budget is spent."""
-    rows, info = [], {}
-    reps = [2, 3, 4] if run.quick else [2, 3, 4, 5, 6, 8, 10, 12, 14, 16]
-    t_start = time.time()
-    for rep in reps:
-        if time.time() - t_start > 240:
-            info["scaling_stopped"] = f"time budget reached before {8 * rep**3} atoms"
-            break
-        try:
-            rows.append(_reference_row(rep, rep_ms=200.0 if rep < 10 else 50.0))
-            schema.write(rows, run.out / "scaling.csv")
-        except torch.cuda.OutOfMemoryError:
-            info["scaling_stopped"] = f"out of memory at {8 * rep**3} atoms"
-            break
-        finally:
-            common.free()
-    schema.write(rows, run.out / "scaling.csv")
-    return info
-
-
-PARTS = {
-    "progress": _progress,
-    "reference": _reference,
-    "profiles": _profiles,
-    "peers": _peers,
-    "ncu": _ncu,
-    "scaling": _scaling,
-}
-DEFAULT = "reference,profiles,peers,ncu,scaling"
+PARTS = {"progress": _progress, "reference": _reference, "profiles": _profiles,
+         "ncu": _ncu}  # fmt: skip
+DEFAULT = "reference,profiles,ncu"
 GPU_ONLY = tuple(PARTS)
