@@ -28,7 +28,6 @@ __all__ = ["BEFORE_CH6", "compile_model", "device", "for_boxes", "force_row", "f
 #: counters (:data:`ecekern.captures.NCU_COUNTS`: tried first, dropped if this ncu
 #: does not know them).
 NCU_METRICS_BASIC = [*NCU_COLUMNS, "lts__t_bytes.sum"]
-NCU_COUNTERS = list(NCU_COUNTS)
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
     for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
@@ -40,18 +39,11 @@ NCU_STALLS = [
 BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
 
 
-# --------------------------------------------------------------------------------------
-# processes, devices, parts
-# --------------------------------------------------------------------------------------
-def run_ncu(
-    target: str,
-    out_csv: Path,
-    extra: list[str] | None = None,
-    timeout: float = 420,
-) -> str:
+def run_ncu(target: str, out_csv: Path, extra: list[str] | None = None,
+            timeout: float = 420) -> str:  # fmt: skip
     """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
     status, basic = "ncu not run", NCU_METRICS_BASIC
-    for metrics in (basic + NCU_STALLS + NCU_COUNTERS, basic + NCU_STALLS, basic):
+    for metrics in (basic + NCU_STALLS + [*NCU_COUNTS], basic + NCU_STALLS, basic):
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ece/",
                "--metrics", ",".join(metrics), "--csv", "--page", "raw", *(extra or []),
                sys.executable, "-m", "ecekern.captures.targets", target]  # fmt: skip
@@ -157,9 +149,6 @@ def ceilings() -> dict:
     return c
 
 
-# --------------------------------------------------------------------------------------
-# rows
-# --------------------------------------------------------------------------------------
 def timing_columns(prefix: str, t) -> dict:
     """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
     ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""
@@ -167,20 +156,10 @@ def timing_columns(prefix: str, t) -> dict:
             f"{prefix}_p90_ms": t.p90}  # fmt: skip
 
 
-def force_row(
-    system: str,
-    model,
-    inputs,
-    plan: str = "",
-    mode: str = "eager",
-    rep_ms: float = 400.0,
-    forward: bool = False,
-    step=None,
-    graph_kw: dict | None = None,
-    min_reps: int = 5,
-    more=None,
-    **extra,
-) -> dict:
+def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
+              rep_ms: float = 400.0, forward: bool = False, step=None,
+              graph_kw: dict | None = None, min_reps: int = 5, more=None,
+              **extra) -> dict:  # fmt: skip
     """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
     prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
     numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)

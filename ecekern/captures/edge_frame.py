@@ -38,9 +38,6 @@ def notes(run) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------
-# the step's tensors
-# --------------------------------------------------------------------------------------
 def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     """The edge-frame ops' inputs at the model's shapes on ``diamond(rep)``: the real
     graph and edge frames, random features (h, rho, y) and the envelope as w."""
@@ -99,9 +96,6 @@ def _ops(fr, t: dict):
     }
 
 
-# --------------------------------------------------------------------------------------
-# the force step
-# --------------------------------------------------------------------------------------
 #: The options of the steps: chapters 2 and 5 on, the edge frame switched.
 STEP_OPTIONS = {
     ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, **BEFORE_CH6}

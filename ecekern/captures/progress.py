@@ -93,18 +93,6 @@ COMPILED = {
 BUDGET_S = 330.0
 
 
-class _Table:
-    """progress.csv, rewritten in the table's order after every row."""
-
-    def __init__(self, path: Path):
-        self.path, self.rows = path, []
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        self.rows.sort(key=progress_order)
-        schema.write(self.rows, self.path)
-
-
 def _paths(model, inputs) -> str:
     """The step plan of this model's step under the current options
     (:meth:`~ecekern.plan.StepPlan.describe`), with the EquivariantLinears' kernel
@@ -130,9 +118,9 @@ def _paths(model, inputs) -> str:
     return text
 
 
-def _row(table, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra):
-    """Time one row's force step; a failure is a row with its error (and a line in
-    the manifest)."""
+def _row(add, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra):
+    """Time one row's force step and ``add`` its row; a failure is a row with its
+    error (and a line in the manifest)."""
     try:
         row = force_row(label, model, inputs, plan, mode, rep_ms, **extra)
     except Exception as exc:
@@ -140,7 +128,7 @@ def _row(table, label, model, inputs, rep_ms, info, plan="", mode="eager", **ext
         key = f"progress: {label}, {n} atoms, {precision}, {mode}"
         info[key] = f"failed: {exc!r}"[:500]
         row = step_error(exc, label, inputs, plan, mode) | extra
-    table.add(row)
+    add(row)
 
 
 def _peer_flop(peers, inputs, info) -> dict:
@@ -163,14 +151,9 @@ def _peer_flop(peers, inputs, info) -> dict:
     return out
 
 
-def capture(
-    out: Path,
-    boxes: list[int],
-    quick: bool = False,
-    budget_s: float | None = None,
-    dev: str = "cuda",
-    config=None,
-) -> dict:
+def capture(out: Path, boxes: list[int], quick: bool = False,
+            budget_s: float | None = None, dev: str = "cuda",
+            config=None) -> dict:  # fmt: skip
     """Write progress.csv and stages.csv (module docstring); returns the manifest's
     notes: what failed or was skipped, and the options of the defaults rows.
     ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
@@ -181,8 +164,14 @@ def capture(
     t_start = time.time()
     budget = budget_s if budget_s is not None else BUDGET_S
     info: dict = {"progress_budget_s": budget}
-    table = _Table(out / "progress.csv")
+    rows: list[dict] = []
     stages: list[dict] = []
+
+    def add(row: dict) -> None:  # progress.csv, in the table's order after every row
+        rows.append(row)
+        rows.sort(key=progress_order)
+        schema.write(rows, out / "progress.csv")
+
     cfg = config if config is not None else ecekern.ECEConfig()
     info["progress_config"] = cfg.to_dict()
     defaults = options.current()
@@ -202,12 +191,12 @@ def capture(
                     if label == "library defaults":
                         info["library_defaults"] = repr(now)
                     plan = _paths(model, inputs)
-                    _row(table, label, model, inputs, rep_ms, info, plan, mode, **ours)
+                    _row(add, label, model, inputs, rep_ms, info, plan, mode, **ours)
                 free()
             for label, peer in peers:
                 flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
                 with switched({}, tf32):
-                    _row(table, label, peer, inputs, rep_ms, info, "", mode, **flop)
+                    _row(add, label, peer, inputs, rep_ms, info, "", mode, **flop)
                 free()
         if rep != boxes[-1]:
             return
@@ -236,12 +225,12 @@ def capture(
                 with options.use(**opts):
                     c, last_compile[0] = compile_model(model, inputs, dev)
                     for mode in MODES:
-                        _row(table, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
+                        _row(add, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
                              _paths(model, inputs), mode, compile_s=last_compile[0],
                              flop=flop, flop_source="model")  # fmt: skip
             except Exception as exc:
                 info[key] = f"failed: {exc!r}"[:500]
-                table.add(step_error(exc, label, inputs))
+                add(step_error(exc, label, inputs))
             finally:
                 c = None
                 torch._dynamo.reset()

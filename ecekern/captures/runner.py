@@ -95,15 +95,9 @@ def chapter_module(name: str):
     return importlib.import_module(f"{__package__}.{CHAPTERS[name]}")
 
 
-def run_chapter(
-    name: str,
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str | None = None,
-    boxes: str | None = None,
-    dev: str | None = None,
-) -> dict:
+def run_chapter(name: str, out: Path, quick: bool = False, ncu: bool = True,
+                parts: str | None = None, boxes: str | None = None,
+                dev: str | None = None) -> dict:  # fmt: skip
     """Run chapter ``name``'s parts (``parts``, comma-separated, or its default)
     into ``out``; returns the manifest's notes (module docstring)."""
     from .common import device, free
@@ -161,9 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=None, help="the chapter's parts, comma-"
                     "separated (e.g. 01_reference: progress)")  # fmt: skip
     ap.add_argument("--boxes", default=None, help="diamond repeats, e.g. 4,8")
-    ap.add_argument(
-        "--cpu", action="store_true", help="run without a GPU (a smoke test)"
-    )
+    ap.add_argument("--cpu", action="store_true", help="no GPU (a smoke test)")
     args = ap.parse_args(argv)
     import torch
 

@@ -49,9 +49,8 @@ def _ancestors(e):
         p = p.cpu_parent
 
 
-def stage_times(
-    events: Iterable, time_us: Callable = device_us, iters: int = 1
-) -> dict[str, tuple[float, float]]:
+def stage_times(events: Iterable, time_us: Callable = device_us,
+                iters: int = 1) -> dict[str, tuple[float, float]]:  # fmt: skip
     """``{stage: (forward_ms, backward_ms)}`` per call from a profile of ``iters``
     calls (``prof.events()``); ``time_us(event)`` is the time counted for an event
     and its children (kernel time by default). Stages in the order they first ran,
