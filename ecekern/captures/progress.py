@@ -1,4 +1,7 @@
-"""Chapter 1's ``progress`` part: the book's cumulative progress table, in one run.
+"""Chapter 1's capture: the book's cumulative progress table in one run
+(``progress``), and Nsight Compute on the reference's 512-atom force step (``ncu``,
+the default run). The reference's own measurements are settled:
+``book/history/01_reference/reference_capture.md``.
 
 At 512 and 4096 atoms (``diamond(4)``, ``diamond(8)``), strict fp32 and fp32 + TF32,
 each row's force step replayed as a CUDA graph (chapter 4, the library's MD path)
@@ -22,6 +25,7 @@ box's forward and backward time by stage, reference and defaults (:mod:`.stages`
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from pathlib import Path
@@ -30,13 +34,12 @@ import torch
 
 from .. import bench, options
 from ..flops import counted_flops, step_flops
-from . import progress_order, schema
+from . import common, progress_order, schema
 from .common import compile_model, for_boxes, force_row, free, step_error, switched
-from .reference import peer_models
 from .schema import MODES
 from .stages import stage_rows
 
-__all__ = ["OURS", "capture"]
+__all__ = ["OURS", "PARTS", "PEERS", "capture", "peer_models"]
 
 #: Each chapter's switches, in order: a row runs with its own and every earlier one's.
 CHAPTER_SWITCHES = (
@@ -91,6 +94,51 @@ COMPILED = {
 }
 #: Seconds the part may take, compiles included, unless told otherwise.
 BUDGET_S = 330.0
+
+
+def _e3nn(cfg, dev: str):
+    from ..peers import E3nnConvModel
+
+    return E3nnConvModel(cfg)
+
+
+def _cueq(cfg, dev: str):
+    """cuEquivariance's convolution; on CUDA only with its CUDA kernels: without
+    ``cuequivariance_ops_torch`` cuet falls back to its naive PyTorch path, which is
+    not the peer a user of cuEquivariance runs."""
+    if importlib.util.find_spec("cuequivariance_torch") is None:
+        raise ImportError("cuequivariance_torch is not installed")
+    if dev == "cuda":
+        try:
+            import cuequivariance_ops_torch  # noqa: F401
+        except Exception as exc:
+            raise ImportError(
+                f"cuequivariance_ops_torch (its CUDA kernels) does not load: {exc!r}"
+            ) from exc
+    from ..peers import CueqConvModel
+
+    return CueqConvModel(cfg)
+
+
+#: The peers of the same width and degree, by their row label (built lazily: each
+#: needs its own package).
+PEERS = {
+    "e3nn TP conv (NequIP-style)": _e3nn,
+    "cuEquivariance TP conv (NequIP-style)": _cueq,
+}
+
+
+def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"):
+    """``(label, model)`` of each peer on ``dev`` in ``dtype``; a peer that cannot be
+    built (its package missing, say) is recorded in ``info`` under ``tag`` and
+    skipped."""
+    for label, build in PEERS.items():
+        try:
+            model = build(cfg, dev).to(device=dev, dtype=dtype)
+        except Exception as exc:
+            info[f"{label}: {tag}"] = f"skipped: {exc!r}"[:500]
+            continue
+        yield label, model
 
 
 def _paths(model, inputs) -> str:
@@ -242,3 +290,18 @@ def capture(out: Path, boxes: list[int], quick: bool = False,
             for_boxes(None, compiled, cfg, boxes, dev)
     info["progress_seconds"] = round(time.time() - t_start, 1)
     return info
+
+
+def _progress(run, arg: str) -> dict:
+    """progress.csv and stages.csv (:func:`capture`); ``progress=SECONDS``: its time
+    budget."""
+    budget = float(arg) if arg else None
+    return capture(run.out, run.reps(quick=(2, 4)), quick=run.quick, budget_s=budget)
+
+
+_ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
+
+
+PARTS = {"progress": _progress, "ncu": _ncu}
+DEFAULT = "ncu"
+GPU_ONLY = tuple(PARTS)

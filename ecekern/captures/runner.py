@@ -37,7 +37,7 @@ __all__ = ["CHAPTERS", "Interrupted", "Run", "main", "merge_part_run", "parse_pa
 #: The chapters by slug: the module (of this package) that captures each.
 CHAPTERS = {
     "methodology": "methodology",
-    "01_reference": "reference",
+    "01_reference": "progress",
     "02_linear": "linear",
     "03_edge_frame": "edge_frame",
     "04_graph_step": "graph_step",
