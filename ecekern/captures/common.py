@@ -157,9 +157,8 @@ def timing_columns(prefix: str, t) -> dict:
 
 
 def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
-              rep_ms: float = 400.0, forward: bool = False, step=None,
-              graph_kw: dict | None = None, min_reps: int = 5, more=None,
-              **extra) -> dict:  # fmt: skip
+              rep_ms: float = 400.0, step=None, graph_kw: dict | None = None,
+              min_reps: int = 5, more=None, **extra) -> dict:  # fmt: skip
     """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
     prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
     numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)
@@ -169,10 +168,8 @@ def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
     :func:`ecekern.peers.graphed_force_step`), its peak memory that of the capture
     (the graph's pool holds the step's intermediates), with ``capture_s`` (seconds
     to build and capture it) and ours its ``headroom`` and ``capacity`` (edge
-    slots). ``forward``: the forward alone too (no grad; ``forward_ms``,
-    ``forward_p10_ms``, ``forward_p90_ms``) and the backward as the difference
-    (``backward_ms``). ``more(fn) -> dict``: columns measured on the step ``fn``
-    after its timing."""
+    slots). ``more(fn) -> dict``: columns measured on the step ``fn`` after its
+    timing."""
     from ..graph_step import GraphStep
     from ..model import ECEModel, force_step
     from ..peers import graphed_force_step
@@ -204,17 +201,7 @@ def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
         fn = (lambda: cap(pos, graph)) if ours else cap
     else:
         fn = lambda: (step or force_step)(model, pos, numbers, graph)
-    if forward:
-
-        def fwd():
-            with torch.no_grad():
-                model(pos, numbers, graph)
-
-        extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
-                 **extra}  # fmt: skip
     t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=min_reps)
-    if forward:
-        extra["backward_ms"] = t.median - extra["forward_ms"]
     if more is not None:
         extra |= more(fn)
     if peak is None:
