@@ -21,7 +21,7 @@ from . import NCU_COLUMNS, NCU_COUNTS, schema
 
 __all__ = ["BEFORE_CH6", "compile_model", "device", "for_boxes", "force_row", "free",
            "ncu_part", "option_steps", "profile_table", "profiled", "run_ncu",
-           "step_error", "switched", "sync", "timing_columns"]  # fmt: skip
+           "step_error", "switched", "sync"]  # fmt: skip
 
 #: What Nsight Compute is asked for: the metrics the loader reads
 #: (:data:`ecekern.captures.NCU_COLUMNS`, L2 bytes), the stall reasons, and the
@@ -147,13 +147,6 @@ def ceilings() -> dict:
         if r["kernel"] == "gemm":
             c[f"gemm_{r['precision']}"] = r["TFLOPs"]
     return c
-
-
-def timing_columns(prefix: str, t) -> dict:
-    """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
-    ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""
-    return {f"{prefix}_ms": t.median, f"{prefix}_p10_ms": t.p10,
-            f"{prefix}_p90_ms": t.p90}  # fmt: skip
 
 
 def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
