@@ -1,10 +1,7 @@
 """Chapter 2's capture: EquivariantLinear, einsum vs dense vs the per-mode kernels.
 
-Parts (``parts``, comma-separated):
-
-* ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and profile_step_*: the
-  force step with each path, the zonal scatter on the reference.
-
+Its part ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and
+profile_step_*: the force step with each path, the zonal scatter on the reference.
 The settled ``ncu`` part: ``book/history/02_linear/ncu_capture.md``.
 """
 

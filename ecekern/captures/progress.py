@@ -122,10 +122,8 @@ def _cueq(cfg, dev: str):
 
 #: The peers of the same width and degree, by their row label (built lazily: each
 #: needs its own package).
-PEERS = {
-    "e3nn TP conv (NequIP-style)": _e3nn,
-    "cuEquivariance TP conv (NequIP-style)": _cueq,
-}
+PEERS = {"e3nn TP conv (NequIP-style)": _e3nn,
+         "cuEquivariance TP conv (NequIP-style)": _cueq}  # fmt: skip
 
 
 def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"):
@@ -199,9 +197,8 @@ def _peer_flop(peers, inputs, info) -> dict:
     return out
 
 
-def capture(out: Path, boxes: list[int], quick: bool = False,
-            budget_s: float | None = None, dev: str = "cuda",
-            config=None) -> dict:  # fmt: skip
+def capture(out: Path, boxes: list[int], budget_s: float | None = None,
+            dev: str = "cuda", config=None) -> dict:  # fmt: skip
     """Write progress.csv and stages.csv (module docstring); returns the manifest's
     notes: what failed or was skipped, and the options of the defaults rows.
     ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
@@ -296,7 +293,7 @@ def _progress(run, arg: str) -> dict:
     """progress.csv and stages.csv (:func:`capture`); ``progress=SECONDS``: its time
     budget."""
     budget = float(arg) if arg else None
-    return capture(run.out, run.reps(quick=(2, 4)), quick=run.quick, budget_s=budget)
+    return capture(run.out, run.reps(quick=(2, 4)), budget_s=budget)
 
 
 _ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)

@@ -35,16 +35,10 @@ __all__ = ["CHAPTERS", "Interrupted", "Run", "main", "merge_part_run", "parse_pa
            "run_chapter"]  # fmt: skip
 
 #: The chapters by slug: the module (of this package) that captures each.
-CHAPTERS = {
-    "methodology": "methodology",
-    "01_reference": "progress",
-    "02_linear": "linear",
-    "03_edge_frame": "edge_frame",
-    "04_graph_step": "graph_step",
-    "05_zonal": "zonal",
-    "06_cohorts": "cohorts",
-    "07_step": "step",
-}
+CHAPTERS = {"methodology": "methodology", "01_reference": "progress",
+            "02_linear": "linear", "03_edge_frame": "edge_frame",
+            "04_graph_step": "graph_step", "05_zonal": "zonal",
+            "06_cohorts": "cohorts", "07_step": "step"}  # fmt: skip
 
 
 @dataclass

@@ -20,6 +20,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+import torch
+
+from .. import bench
+
 __all__ = ["OUTSIDE", "profile_stages", "stage_rows", "stage_times"]
 
 PREFIX = "ece::"
@@ -116,10 +120,6 @@ def profile_stages(step, dev: str, iters: int = 2) -> dict[str, tuple[float, flo
 def stage_rows(label: str, step, n_atoms: int, dev: str) -> list[dict]:
     """Rows of a stages.csv: one force step's forward and backward time by stage
     (:func:`profile_stages`), with the provenance of a float32 run."""
-    import torch
-
-    from .. import bench
-
     prov = bench.provenance(torch.float32)
     return [{"system": label, "n_atoms": n_atoms, "stage": stage, "forward_ms": f,
              "backward_ms": b, **prov}

@@ -62,17 +62,6 @@ def edge_frame(rep: int = 8):
     _in_range(lambda: [ops[name]() for ops in runs for name in order])
 
 
-def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
-    """The gather (backward), then the forward, at the library's launch."""
-    from ecekern import zonal
-    from ecekern.captures.zonal import random_scatter
-
-    _, dst, row_ptr, *zrg = random_scatter(E, L, C, "cuda", 0)
-    Z, R, G = (t.float() for t in zrg)
-    _in_range(lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1))
-    _in_range(lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1), warmup=1)
-
-
 def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
     """For each precision: the stack's forward by the kernel family ``layers``
     (:mod:`ecekern.stack_layers` or :mod:`ecekern.stack_fused`), then its force
@@ -144,8 +133,7 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
 #: The programs by name; ``cohorts_stack_recompute``: :func:`cohorts_stack` with
 #: ``recompute``; ``step_kernels``: chapter 7's fused geometry and radial kernels in
 #: the library's 4096-atom force step (:func:`force_step` with them on).
-_PROGRAMS = (cohorts_layers, cohorts_stack, copy, gemm, force_step, zonal_fused,
-             edge_frame)  # fmt: skip
+_PROGRAMS = (cohorts_layers, cohorts_stack, copy, gemm, force_step, edge_frame)
 TARGETS = {f.__name__: f for f in _PROGRAMS} | {
     "cohorts_stack_recompute": lambda: cohorts_stack(recompute=True),
     "step_kernels": lambda: force_step(8, geometry="fused", radial="fused"),
