@@ -18,17 +18,9 @@ import json
 import os
 from pathlib import Path
 
-__all__ = [
-    "PROGRESS_PEERS",
-    "PROGRESS_ROWS",
-    "Capture",
-    "capture_root",
-    "load",
-    "markdown_table",
-    "ncu_kernels",
-    "progress_order",
-    "progress_rows",
-]
+__all__ = ["PROGRESS_PEERS", "PROGRESS_ROWS", "Capture", "capture_root", "load",
+           "markdown_table", "ncu_kernels", "progress_order",
+           "progress_rows"]  # fmt: skip
 
 
 def capture_root() -> Path:
@@ -84,9 +76,8 @@ def load(chapter: str, root: str | os.PathLike | None = None) -> Capture:
     return Capture(Path(root) if root else capture_root() / chapter)
 
 
-def markdown_table(
-    rows: list[dict], columns: dict[str, str], fmt: dict | None = None
-) -> str:
+def markdown_table(rows: list[dict], columns: dict[str, str],
+                   fmt: dict | None = None) -> str:  # fmt: skip
     """A Markdown table of ``rows``: ``columns`` maps keys to headers, ``fmt`` keys to
     format strings (``"{:.2f}"``); a value the capture lacks (None, say a row of an
     interrupted run) is "not captured"."""
@@ -253,9 +244,8 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
     return out
 
 
-def chapter_opening(
-    system: str, stages: tuple[str, ...], root: str | os.PathLike | None = None
-) -> str:
+def chapter_opening(system: str, stages: tuple[str, ...],
+                    root: str | os.PathLike | None = None) -> str:  # fmt: skip
     """The opening of a chapter, as Markdown from the one-run progress capture: the
     chapter's row of the progress table (``system``, both sizes, strict fp32 and TF32,
     each mode run, against the reference, in the mode :func:`progress_rows` says, and

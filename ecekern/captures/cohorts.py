@@ -7,13 +7,6 @@ every earlier chapter's fast path on (the library's defaults):
   (:data:`STEP_CASES`: keeping the pre-activations, or recomputing), eager and
   replayed as a CUDA graph (chapter 4): time and peak memory (the step-level target:
   at most 5 % slower);
-* ``memory`` -> memory.csv: the force step's peak memory against the atom count,
-  plain, keeping z and recomputing, up to the boxes given (``--boxes 4,8,12,16``,
-  the default: diamond repeats), and the largest box that ran (an out-of-memory is
-  a row, not the end of the run, with what the allocator said: the request, what
-  the tensors held and what was reserved but free; ``alloc_conf``:
-  PYTORCH_CUDA_ALLOC_CONF;
-  ``memory=stack``: only the cases whose label starts so);
 * ``ncu`` -> ncu_layers.csv, ncu_stack.csv, ncu_recompute.csv: Nsight Compute on
   the layer kernels and on the fused stacks, forward and force backward, at each
   precision (one cohort of 65536 edges), keeping z and recomputing it on chip;
@@ -22,15 +15,9 @@ every earlier chapter's fast path on (the library's defaults):
 
 from __future__ import annotations
 
-import os
-import re
-
-import torch
-
-from .. import bench, options
 from .._stack_common import kernel_precision
 from . import schema
-from .common import book_config, free, ncu_part, option_steps
+from .common import book_config, ncu_part, option_steps
 
 __all__ = ["PARTS"]
 
@@ -60,7 +47,7 @@ STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
                         if o["stack"] == "fused")  # fmt: skip
 
 
-#: (label, options) cases of the ``steps`` and ``memory`` parts.
+#: (label, options) cases of the ``steps`` part.
 STEP_CASES = (
     ("plain", {"memory": "plain", "stack": "linears"}),
     ("keep z", {"memory": "keep", "cohort_edges": 8192, "stack": "linears"}),
@@ -71,9 +58,6 @@ STEP_CASES = (
                           "cohort_edges": FUSED_RECOMPUTE[2]}),
     *((label, {"memory": "recompute", **o}) for label, o in STACK_RECOMPUTE),
 )  # fmt: skip
-#: The ``memory`` part's cases, from :data:`STEP_CASES`.
-MEMORY_CASES = ("plain", "keep z", "recompute", "layers tf32x3", FUSED_RECOMPUTE[0],
-                "stack tf32x3 recompute")  # fmt: skip
 
 
 def _steps(run, arg: str) -> str:
@@ -85,57 +69,6 @@ def _steps(run, arg: str) -> str:
     return option_steps(run, cases, "steps", cfg, modes=schema.MODES)
 
 
-def _memory(run, only: str) -> dict:
-    """memory.csv (module docstring); ``only``: the cases whose label starts so
-    (``memory=stack``)."""
-    import ecekern
-    from ecekern.model import force_step, prepare_inputs
-
-    boxes, out = run.reps(full=(4, 8, 12, 16), quick=(4, 8)), run.out
-    cfg = book_config("cuda", n_gated=2)
-    model = ecekern.ECEModel(cfg).to("cuda")
-    rows, largest = [], {}
-    cases = {label: kw for label, kw in reversed(STEP_CASES)}  # keep z: 8192
-    todo = [label for label in MEMORY_CASES if label.startswith(only or "")]
-    for label, kw in ((label, cases[label]) for label in todo):
-        for rep in boxes:
-            row = {"stack": label, "repeats": rep}
-            try:
-                inputs = prepare_inputs(
-                    ecekern.systems.diamond(rep), cfg.cutoff, torch.float32, "cuda"
-                )
-                row |= {"n_atoms": inputs[0].shape[0], "n_edges": inputs[2].n_edges}
-                with options.use(**kw):
-                    peak = bench.peak_memory(lambda: force_step(model, *inputs))
-                row["peak_MiB"] = peak / 2**20
-                largest[label] = row["n_atoms"]
-            except torch.cuda.OutOfMemoryError as e:
-                row["peak_MiB"] = "out of memory"
-                row["oom_detail"] = _oom_detail(str(e))
-            inputs = None
-            free()
-            alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-            rows.append({**row, "alloc_conf": alloc, **bench.provenance(torch.float32)})
-            print(f"memory {label} repeats={rep}: {row['peak_MiB']}",
-                  flush=True)  # fmt: skip
-            bench.write_csv(rows, out / "memory.csv")
-            if row["peak_MiB"] == "out of memory":
-                break
-    return {"memory": {"largest box (atoms)": largest}}
-
-
-def _oom_detail(message: str) -> str:
-    """What the allocator said when it ran out: the request, what PyTorch's tensors
-    held, and what it had reserved but not handed out (fragmentation)."""
-    pats = (
-        ("tried", r"Tried to allocate ([\d.]+ [KMG]iB)"),
-        ("allocated", r"([\d.]+ [KMG]iB) is allocated by PyTorch"),
-        ("reserved unallocated", r"([\d.]+ [KMG]iB) is reserved by PyTorch but"),
-    )
-    found = ((k, re.search(p, message)) for k, p in pats)
-    return "; ".join(f"{k} {m.group(1)}" for k, m in found if m) or message[:120]
-
-
 #: Nsight Compute on the layer kernels, forward and force backward, at each
 #: precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
 #: stacks, keeping z and recomputing it (``cohorts_stack``,
@@ -145,5 +78,5 @@ _ncu = ncu_part({
     "stack": ("cohorts_stack", ["-k", "regex:_fused"]),
     "recompute": ("cohorts_stack_recompute", ["-k", "regex:_fused"]),
 })  # fmt: skip
-PARTS = {"steps": _steps, "memory": _memory, "ncu": _ncu}
+PARTS = {"steps": _steps, "ncu": _ncu}
 GPU_ONLY = tuple(PARTS)

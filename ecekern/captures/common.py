@@ -6,6 +6,7 @@ dicts (:func:`option_steps`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import subprocess
@@ -18,29 +19,15 @@ import torch
 from .. import bench, options
 from . import NCU_COLUMNS, NCU_COUNTS, schema
 
-__all__ = [
-    "BEFORE_CH6",
-    "compile_model",
-    "device",
-    "for_boxes",
-    "force_row",
-    "free",
-    "ncu_part",
-    "option_steps",
-    "profile_table",
-    "profiled",
-    "run_ncu",
-    "step_error",
-    "sync",
-    "timing_columns",
-]
+__all__ = ["BEFORE_CH6", "compile_model", "device", "for_boxes", "force_row", "free",
+           "ncu_part", "option_steps", "profile_table", "profiled", "run_ncu",
+           "step_error", "switched", "sync"]  # fmt: skip
 
 #: What Nsight Compute is asked for: the metrics the loader reads
 #: (:data:`ecekern.captures.NCU_COLUMNS`, L2 bytes), the stall reasons, and the
 #: counters (:data:`ecekern.captures.NCU_COUNTS`: tried first, dropped if this ncu
 #: does not know them).
 NCU_METRICS_BASIC = [*NCU_COLUMNS, "lts__t_bytes.sum"]
-NCU_COUNTERS = list(NCU_COUNTS)
 NCU_STALLS = [
     f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
     for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
@@ -52,18 +39,11 @@ NCU_STALLS = [
 BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
 
 
-# --------------------------------------------------------------------------------------
-# processes, devices, parts
-# --------------------------------------------------------------------------------------
-def run_ncu(
-    target: str,
-    out_csv: Path,
-    extra: list[str] | None = None,
-    timeout: float = 420,
-) -> str:
+def run_ncu(target: str, out_csv: Path, extra: list[str] | None = None,
+            timeout: float = 420) -> str:  # fmt: skip
     """Run ncu on ``targets.<target>``; write the raw CSV page, return a status."""
     status, basic = "ncu not run", NCU_METRICS_BASIC
-    for metrics in (basic + NCU_STALLS + NCU_COUNTERS, basic + NCU_STALLS, basic):
+    for metrics in (basic + NCU_STALLS + [*NCU_COUNTS], basic + NCU_STALLS, basic):
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "ece/",
                "--metrics", ",".join(metrics), "--csv", "--page", "raw", *(extra or []),
                sys.executable, "-m", "ecekern.captures.targets", target]  # fmt: skip
@@ -118,6 +98,18 @@ def compile_model(model, inputs, dev: str = "cuda"):
     return compiled, time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def switched(opts: dict, tf32: bool = False):
+    """A block under the options ``opts`` (yields :func:`ecekern.options.use`'s
+    options in force) with TF32 switched to ``tf32``, and off again after."""
+    bench.set_tf32(tf32)
+    try:
+        with options.use(**opts) as now:
+            yield now
+    finally:
+        bench.set_tf32(False)
+
+
 def device() -> str:
     """``cuda`` where there is a GPU; on a CPU the sweeps run as a smoke test."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,30 +149,9 @@ def ceilings() -> dict:
     return c
 
 
-# --------------------------------------------------------------------------------------
-# rows
-# --------------------------------------------------------------------------------------
-def timing_columns(prefix: str, t) -> dict:
-    """A :class:`~ecekern.bench.Timing` as ``<prefix>_ms``, ``<prefix>_p10_ms`` and
-    ``<prefix>_p90_ms`` (a chapter's own columns beside the schema's)."""
-    return {f"{prefix}_ms": t.median, f"{prefix}_p10_ms": t.p10,
-            f"{prefix}_p90_ms": t.p90}  # fmt: skip
-
-
-def force_row(
-    system: str,
-    model,
-    inputs,
-    plan: str = "",
-    mode: str = "eager",
-    rep_ms: float = 400.0,
-    forward: bool = False,
-    step=None,
-    graph_kw: dict | None = None,
-    min_reps: int = 5,
-    more=None,
-    **extra,
-) -> dict:
+def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
+              rep_ms: float = 400.0, step=None, graph_kw: dict | None = None,
+              min_reps: int = 5, more=None, **extra) -> dict:  # fmt: skip
     """A step row (:mod:`.schema`) of one model's force step (energy + forces) on
     prepared ``inputs`` (``step``: another step of the model, ``step(model, pos,
     numbers, graph)``): its time (median, p10, p90 of at least ``min_reps`` runs)
@@ -190,10 +161,8 @@ def force_row(
     :func:`ecekern.peers.graphed_force_step`), its peak memory that of the capture
     (the graph's pool holds the step's intermediates), with ``capture_s`` (seconds
     to build and capture it) and ours its ``headroom`` and ``capacity`` (edge
-    slots). ``forward``: the forward alone too (no grad; ``forward_ms``,
-    ``forward_p10_ms``, ``forward_p90_ms``) and the backward as the difference
-    (``backward_ms``). ``more(fn) -> dict``: columns measured on the step ``fn``
-    after its timing."""
+    slots). ``more(fn) -> dict``: columns measured on the step ``fn`` after its
+    timing."""
     from ..graph_step import GraphStep
     from ..model import ECEModel, force_step
     from ..peers import graphed_force_step
@@ -225,17 +194,7 @@ def force_row(
         fn = (lambda: cap(pos, graph)) if ours else cap
     else:
         fn = lambda: (step or force_step)(model, pos, numbers, graph)
-    if forward:
-
-        def fwd():
-            with torch.no_grad():
-                model(pos, numbers, graph)
-
-        extra = {**timing_columns("forward", bench.time_fn(fwd, rep_ms=rep_ms)),
-                 **extra}  # fmt: skip
     t = bench.time_fn(fn, rep_ms=rep_ms, min_reps=min_reps)
-    if forward:
-        extra["backward_ms"] = t.median - extra["forward_ms"]
     if more is not None:
         extra |= more(fn)
     if peak is None:
@@ -278,15 +237,11 @@ def option_steps(run, cases, name, cfg=None, reps=None, modes=("eager",), each=N
     def body(rep, model, inputs):
         for mode, (label, opts, kw) in itertools.product(modes, cases):
             kw = dict(kw)
-            bench.set_tf32(kw.pop("tf32", False))
-            try:
-                with options.use(**opts):
-                    plan = schema.plan(opts)
-                    rows.append(force_row(label, model, inputs, plan, mode, **kw))
-                    if each is not None:
-                        each(rep, model, inputs, rows[-1], kw)
-            finally:
-                bench.set_tf32(False)
+            with switched(opts, kw.pop("tf32", False)):
+                plan = schema.plan(opts)
+                rows.append(force_row(label, model, inputs, plan, mode, **kw))
+                if each is not None:
+                    each(rep, model, inputs, rows[-1], kw)
             schema.write(rows, run.out / f"{name}.csv")
             free()
 

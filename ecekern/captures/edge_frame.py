@@ -18,18 +18,13 @@ import torch
 
 from .. import bench
 from .common import BEFORE_CH6, device, ncu_part, option_steps
+from .stages import stage_rows
 
 __all__ = ["PARTS", "step_tensors"]
 #: The kernels in the order the ncu target runs them, per variant (the rotations
 #: launch once per side).
-NCU_ORDER = (
-    "rotate_fwd dst",
-    "rotate_fwd src",
-    "unrotate_fwd",
-    "unrotate_bwd",
-    "rotate_bwd dst",
-    "rotate_bwd src",
-)
+NCU_ORDER = ("rotate_fwd dst", "rotate_fwd src", "unrotate_fwd", "unrotate_bwd",
+             "rotate_bwd dst", "rotate_bwd src")  # fmt: skip
 
 
 def notes(run) -> dict:
@@ -43,9 +38,6 @@ def notes(run) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------
-# the step's tensors
-# --------------------------------------------------------------------------------------
 def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     """The edge-frame ops' inputs at the model's shapes on ``diamond(rep)``: the real
     graph and edge frames, random features (h, rho, y) and the envelope as w."""
@@ -67,22 +59,11 @@ def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     def rnd(*shape):
         return torch.randn(*shape, device=dev, dtype=dtype, generator=g)
 
-    return {
-        "L": L,
-        "M": M,
-        "C": C,
-        "E": E,
-        "N": N,
-        "graph": graph,
-        "D": so3.edge_frames(L, r),
-        "h": rnd(N, cfg.S, C),
-        "rho": rnd(E, cfg.F),
-        "y_cos": rnd(E, C * (L + 1), M + 1),
-        "y_sin": rnd(E, C * (L + 1), M + 1),
-        "w": reference.envelope(d, cfg.cutoff),
-        "G": rnd(N, cfg.S, C),
-        "scale": cfg.scale,
-    }
+    return dict(L=L, M=M, C=C, E=E, N=N, graph=graph, D=so3.edge_frames(L, r),
+                h=rnd(N, cfg.S, C), rho=rnd(E, cfg.F),
+                y_cos=rnd(E, C * (L + 1), M + 1), y_sin=rnd(E, C * (L + 1), M + 1),
+                w=reference.envelope(d, cfg.cutoff), G=rnd(N, cfg.S, C),
+                scale=cfg.scale)  # fmt: skip
 
 
 def _frames(t: dict, variant: str, launch=None):
@@ -115,9 +96,6 @@ def _ops(fr, t: dict):
     }
 
 
-# --------------------------------------------------------------------------------------
-# the force step
-# --------------------------------------------------------------------------------------
 #: The options of the steps: chapters 2 and 5 on, the edge frame switched.
 STEP_OPTIONS = {
     ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, **BEFORE_CH6}
@@ -130,17 +108,15 @@ def _steps(run, arg: str) -> str:
     switched): time, peak memory, and at the largest box the time by stage."""
     from ecekern.model import force_step
 
-    from .progress import _stages
-
-    stage_rows: list[dict] = []
+    rows: list[dict] = []
 
     def stages(rep, model, inputs, row, kw):
         if rep != run.reps()[-1]:
             return
         step, variant = lambda: force_step(model, *inputs), row["system"]
-        for r in _stages(variant, step, row["n_atoms"], "cuda"):
-            stage_rows.append({"edge_frame": variant, **r})
-        bench.write_csv(stage_rows, run.out / "stages.csv")
+        for r in stage_rows(variant, step, row["n_atoms"], "cuda"):
+            rows.append({"edge_frame": variant, **r})
+        bench.write_csv(rows, run.out / "stages.csv")
 
     cases = [(variant, opts, {}) for variant, opts in STEP_OPTIONS.items()]
     return option_steps(run, cases, "steps", each=stages)

@@ -51,9 +51,6 @@ def _host_and_wall(fn, n: int) -> tuple[float, float]:
     return host / n * 1e3, wall / n * 1e3
 
 
-# --------------------------------------------------------------------------------------
-# audit: every sync and copy of one step
-# --------------------------------------------------------------------------------------
 def _audit(run, arg: str) -> dict:
     """audit.csv: every host sync and copy of one force step (module docstring)."""
     import ecekern
@@ -106,9 +103,6 @@ def _sync_debug(fn) -> str:
     return result
 
 
-# --------------------------------------------------------------------------------------
-# steps: eager against replay
-# --------------------------------------------------------------------------------------
 def _busy(fn, n: int) -> tuple[float, float]:
     """The GPU's busy fraction and device ops (kernels, copies, fills) per call over
     ``n`` back-to-back calls: their time from the profiler over the wall time from

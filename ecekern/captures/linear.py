@@ -1,12 +1,8 @@
 """Chapter 2's capture: EquivariantLinear, einsum vs dense vs the per-mode kernels.
 
-Parts (``parts``, comma-separated):
-
-* ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and profile_step_*: the
-  force step with each path, the zonal scatter on the reference;
-* ``ncu`` -> ncu_triton.csv, ncu_dense.csv: the forward of each precision at the
-  library's choice of kernel and launch, then the Triton kernel in strict fp32
-  (:func:`ecekern.captures.targets.eqlin_triton`), and the dense path's.
+Its part ``steps`` (or ``steps=dense;einsum``) -> model_steps.csv and
+profile_step_*: the force step with each path, the zonal scatter on the reference.
+The settled ``ncu`` part: ``book/history/02_linear/ncu_capture.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ from __future__ import annotations
 import csv
 import itertools
 
-from .common import BEFORE_CH6, ncu_part, option_steps, profile_table
+from .common import BEFORE_CH6, option_steps, profile_table
 
 __all__ = ["PARTS", "PATHS_MEASURED"]
 
@@ -61,6 +57,5 @@ def _model_steps(run, arg: str) -> str:
     return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
-_ncu = ncu_part({"triton": ("eqlin_triton", None), "dense": ("eqlin_dense", None)})
-PARTS = {"steps": _model_steps, "ncu": _ncu}
+PARTS = {"steps": _model_steps}
 GPU_ONLY = tuple(PARTS)

@@ -13,12 +13,17 @@ import torch
 
 from .. import bench
 from . import schema
-from .common import free, ncu_part
+from .common import free, ncu_part, switched
 
 __all__ = ["PARTS"]
 
+#: The GEMMs timed, (dtype, TF32): fp64, strict fp32, TF32, bf16, fp16.
+GEMMS = ((torch.float64, False), (torch.float32, False), (torch.float32, True),
+         (torch.bfloat16, False), (torch.float16, False))  # fmt: skip
+
 
 def _ceilings(run, arg: str) -> str:
+    """ceilings.csv (module docstring)."""
     rows = []
     sizes = [2**26, 2**28] if run.quick else [2**24, 2**26, 2**28, 2**30, 2**32]
     for nbytes in sizes:
@@ -35,25 +40,16 @@ def _ceilings(run, arg: str) -> str:
         del src, dst
         free()
     n = 4096 if run.quick else 8192
-    try:
-        for dtype, tf32 in [
-            (torch.float64, False),
-            (torch.float32, False),
-            (torch.float32, True),
-            (torch.bfloat16, False),
-            (torch.float16, False),
-        ]:
-            bench.set_tf32(tf32)
+    for dtype, tf32 in GEMMS:
+        with switched({}, tf32):
             a = torch.randn(n, n, device="cuda", dtype=dtype)
             b = torch.randn(n, n, device="cuda", dtype=dtype)
             t = bench.time_fn(lambda a=a, b=b: a @ b)
-            nbytes = 3 * n * n * a.element_size()
-            rows.append(schema.kernel_row("gemm", f"{n}^3", n, bench.dtype_label(dtype),
-                                          t, nbytes, 2 * n**3))  # fmt: skip
-            del a, b
-            free()
-    finally:
-        bench.set_tf32(False)
+        nbytes = 3 * n * n * a.element_size()
+        rows.append(schema.kernel_row("gemm", f"{n}^3", n, bench.dtype_label(dtype),
+                                      t, nbytes, 2 * n**3))  # fmt: skip
+        del a, b
+        free()
     for r in rows:  # a copy's rate is its bandwidth, a GEMM's its FLOP rate
         r["GBps" if r["kernel"] == "gemm" else "TFLOPs"] = ""
     schema.write(rows, run.out / "ceilings.csv", schema.KERNEL_COLUMNS)

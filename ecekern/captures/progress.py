@@ -1,4 +1,7 @@
-"""Chapter 1's ``progress`` part: the book's cumulative progress table, in one run.
+"""Chapter 1's capture: the book's cumulative progress table in one run
+(``progress``), and Nsight Compute on the reference's 512-atom force step (``ncu``,
+the default run). The reference's own measurements are settled:
+``book/history/01_reference/reference_capture.md``.
 
 At 512 and 4096 atoms (``diamond(4)``, ``diamond(8)``), strict fp32 and fp32 + TF32,
 each row's force step replayed as a CUDA graph (chapter 4, the library's MD path)
@@ -22,6 +25,7 @@ box's forward and backward time by stage, reference and defaults (:mod:`.stages`
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from pathlib import Path
@@ -30,13 +34,12 @@ import torch
 
 from .. import bench, options
 from ..flops import counted_flops, step_flops
-from . import progress_order, schema
-from .common import compile_model, for_boxes, force_row, free, profiled, step_error
-from .reference import peer_models
+from . import common, progress_order, schema
+from .common import compile_model, for_boxes, force_row, free, step_error, switched
 from .schema import MODES
-from .stages import stage_times
+from .stages import stage_rows
 
-__all__ = ["OURS", "capture"]
+__all__ = ["OURS", "PARTS", "PEERS", "capture", "peer_models"]
 
 #: Each chapter's switches, in order: a row runs with its own and every earlier one's.
 CHAPTER_SWITCHES = (
@@ -93,16 +96,47 @@ COMPILED = {
 BUDGET_S = 330.0
 
 
-class _Table:
-    """progress.csv, rewritten in the table's order after every row."""
+def _e3nn(cfg, dev: str):
+    from ..peers import E3nnConvModel
 
-    def __init__(self, path: Path):
-        self.path, self.rows = path, []
+    return E3nnConvModel(cfg)
 
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        self.rows.sort(key=progress_order)
-        schema.write(self.rows, self.path)
+
+def _cueq(cfg, dev: str):
+    """cuEquivariance's convolution; on CUDA only with its CUDA kernels: without
+    ``cuequivariance_ops_torch`` cuet falls back to its naive PyTorch path, which is
+    not the peer a user of cuEquivariance runs."""
+    if importlib.util.find_spec("cuequivariance_torch") is None:
+        raise ImportError("cuequivariance_torch is not installed")
+    if dev == "cuda":
+        try:
+            import cuequivariance_ops_torch  # noqa: F401
+        except Exception as exc:
+            raise ImportError(
+                f"cuequivariance_ops_torch (its CUDA kernels) does not load: {exc!r}"
+            ) from exc
+    from ..peers import CueqConvModel
+
+    return CueqConvModel(cfg)
+
+
+#: The peers of the same width and degree, by their row label (built lazily: each
+#: needs its own package).
+PEERS = {"e3nn TP conv (NequIP-style)": _e3nn,
+         "cuEquivariance TP conv (NequIP-style)": _cueq}  # fmt: skip
+
+
+def peer_models(cfg, dtype: torch.dtype, info: dict, tag: str, dev: str = "cuda"):
+    """``(label, model)`` of each peer on ``dev`` in ``dtype``; a peer that cannot be
+    built (its package missing, say) is recorded in ``info`` under ``tag`` and
+    skipped."""
+    for label, build in PEERS.items():
+        try:
+            model = build(cfg, dev).to(device=dev, dtype=dtype)
+        except Exception as exc:
+            info[f"{label}: {tag}"] = f"skipped: {exc!r}"[:500]
+            continue
+        yield label, model
 
 
 def _paths(model, inputs) -> str:
@@ -130,9 +164,9 @@ def _paths(model, inputs) -> str:
     return text
 
 
-def _row(table, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra):
-    """Time one row's force step; a failure is a row with its error (and a line in
-    the manifest)."""
+def _row(add, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra):
+    """Time one row's force step and ``add`` its row; a failure is a row with its
+    error (and a line in the manifest)."""
     try:
         row = force_row(label, model, inputs, plan, mode, rep_ms, **extra)
     except Exception as exc:
@@ -140,7 +174,7 @@ def _row(table, label, model, inputs, rep_ms, info, plan="", mode="eager", **ext
         key = f"progress: {label}, {n} atoms, {precision}, {mode}"
         info[key] = f"failed: {exc!r}"[:500]
         row = step_error(exc, label, inputs, plan, mode) | extra
-    table.add(row)
+    add(row)
 
 
 def _peer_flop(peers, inputs, info) -> dict:
@@ -163,14 +197,8 @@ def _peer_flop(peers, inputs, info) -> dict:
     return out
 
 
-def capture(
-    out: Path,
-    boxes: list[int],
-    quick: bool = False,
-    budget_s: float | None = None,
-    dev: str = "cuda",
-    config=None,
-) -> dict:
+def capture(out: Path, boxes: list[int], budget_s: float | None = None,
+            dev: str = "cuda", config=None) -> dict:  # fmt: skip
     """Write progress.csv and stages.csv (module docstring); returns the manifest's
     notes: what failed or was skipped, and the options of the defaults rows.
     ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
@@ -181,8 +209,14 @@ def capture(
     t_start = time.time()
     budget = budget_s if budget_s is not None else BUDGET_S
     info: dict = {"progress_budget_s": budget}
-    table = _Table(out / "progress.csv")
-    stage_rows: list[dict] = []
+    rows: list[dict] = []
+    stages: list[dict] = []
+
+    def add(row: dict) -> None:  # progress.csv, in the table's order after every row
+        rows.append(row)
+        rows.sort(key=progress_order)
+        schema.write(rows, out / "progress.csv")
+
     cfg = config if config is not None else ecekern.ECEConfig()
     info["progress_config"] = cfg.to_dict()
     defaults = options.current()
@@ -197,32 +231,28 @@ def capture(
         ours = dict(flop=step_flops(cfg, n, n_edges)["total"], flop_source="model")
         peer_flop = _peer_flop(peers, inputs, info)
         for tf32, mode in itertools.product(precisions, MODES):
-            bench.set_tf32(tf32)
-            try:
-                for label, opts in OURS.items():
-                    with options.use(**opts) as now:
-                        if label == "library defaults":
-                            info["library_defaults"] = repr(now)
-                        plan = _paths(model, inputs)
-                        _row(table, label, model, inputs, rep_ms, info, plan, mode,
-                             **ours)  # fmt: skip
-                    free()
-                for label, peer in peers:
-                    flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
-                    _row(table, label, peer, inputs, rep_ms, info, "", mode, **flop)
-                    free()
-            finally:
-                bench.set_tf32(False)
+            for label, opts in OURS.items():
+                with switched(opts, tf32) as now:
+                    if label == "library defaults":
+                        info["library_defaults"] = repr(now)
+                    plan = _paths(model, inputs)
+                    _row(add, label, model, inputs, rep_ms, info, plan, mode, **ours)
+                free()
+            for label, peer in peers:
+                flop = dict(zip(("flop", "flop_source"), peer_flop.get(label, ())))
+                with switched({}, tf32):
+                    _row(add, label, peer, inputs, rep_ms, info, "", mode, **flop)
+                free()
         if rep != boxes[-1]:
             return
         for label in ("reference", "library defaults"):  # by stage, strict fp32
             with options.use(**OURS[label]):
                 step = lambda: force_step(model, *inputs)
                 try:
-                    stage_rows.extend(_stages(label, step, n, dev))
+                    stages.extend(stage_rows(label, step, n, dev))
                 except Exception as exc:
                     info[f"stages: {label}"] = f"failed: {exc!r}"[:500]
-            bench.write_csv(stage_rows, out / "stages.csv")
+            bench.write_csv(stages, out / "stages.csv")
             free()
 
     last_compile = [90.0]  # seconds: the reference's first compile on the H200
@@ -240,12 +270,12 @@ def capture(
                 with options.use(**opts):
                     c, last_compile[0] = compile_model(model, inputs, dev)
                     for mode in MODES:
-                        _row(table, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
+                        _row(add, label, c, inputs, 100.0 if n <= 512 else 0.0, info,
                              _paths(model, inputs), mode, compile_s=last_compile[0],
                              flop=flop, flop_source="model")  # fmt: skip
             except Exception as exc:
                 info[key] = f"failed: {exc!r}"[:500]
-                table.add(step_error(exc, label, inputs))
+                add(step_error(exc, label, inputs))
             finally:
                 c = None
                 torch._dynamo.reset()
@@ -253,23 +283,22 @@ def capture(
 
     for_boxes(None, eager, cfg, boxes, dev)
     for tf32 in precisions:  # strict fp32 first
-        bench.set_tf32(tf32)
-        try:
+        with switched({}, tf32):
             for_boxes(None, compiled, cfg, boxes, dev)
-        finally:
-            bench.set_tf32(False)
     info["progress_seconds"] = round(time.time() - t_start, 1)
     return info
 
 
-def _stages(label: str, step, n_atoms: int, dev: str, iters: int = 2) -> list[dict]:
-    """Rows of stages.csv: one force step's forward and backward kernel time by
-    stage (``iters`` steps profiled, per step; on a CPU, CPU time)."""
-    from .stages import cpu_us, device_us
+def _progress(run, arg: str) -> dict:
+    """progress.csv and stages.csv (:func:`capture`); ``progress=SECONDS``: its time
+    budget."""
+    budget = float(arg) if arg else None
+    return capture(run.out, run.reps(quick=(2, 4)), budget_s=budget)
 
-    prof = profiled(step, iters, dev)[0]
-    time_us = device_us if dev == "cuda" else cpu_us
-    times = stage_times(prof.events(), time_us, iters=iters)
-    prov = bench.provenance(torch.float32)
-    return [{"system": label, "n_atoms": n_atoms, "stage": stage, "forward_ms": f,
-             "backward_ms": b, **prov} for stage, (f, b) in times.items()]  # fmt: skip
+
+_ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
+
+
+PARTS = {"progress": _progress, "ncu": _ncu}
+DEFAULT = "ncu"
+GPU_ONLY = tuple(PARTS)

@@ -31,29 +31,15 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = [
-    "CHAPTERS",
-    "Interrupted",
-    "Run",
-    "main",
-    "merge_part_run",
-    "parse_parts",
-    "run_chapter",
-]
+__all__ = ["CHAPTERS", "Interrupted", "Run", "main", "merge_part_run", "parse_parts",
+           "run_chapter"]  # fmt: skip
 
 #: The chapters by slug: the module (of this package) that captures each.
-CHAPTERS = {
-    "methodology": "methodology",
-    "01_reference": "reference",
-    "02_linear": "linear",
-    "03_edge_frame": "edge_frame",
-    "04_graph_step": "graph_step",
-    "05_zonal": "zonal",
-    "06_cohorts": "cohorts",
-    "07_step": "step",
-    "08_edge_layer": "edge_layer",
-    "A_train": "train",
-}
+CHAPTERS = {"methodology": "methodology", "01_reference": "progress",
+            "02_linear": "linear", "03_edge_frame": "edge_frame",
+            "04_graph_step": "graph_step", "05_zonal": "zonal",
+            "06_cohorts": "cohorts", "07_step": "step",
+            "08_edge_layer": "edge_layer", "A_train": "train"}  # fmt: skip
 
 
 @dataclass
@@ -80,6 +66,12 @@ class Run:
             return [int(b) for b in self.boxes.split(",")]
         return list(quick if self.quick else full)
 
+    def timing(self, rep_ms: float, min_reps: int) -> dict:
+        """:func:`~.common.force_row`'s timing arguments: these on a GPU, one timed
+        call in Triton's interpreter (a smoke test)."""
+        cuda = self.dev == "cuda"
+        return dict(rep_ms=rep_ms if cuda else 1.0, min_reps=min_reps if cuda else 1)
+
 
 def parse_parts(parts: str, known) -> dict[str, str]:
     """``"a,b=arg,c"`` as ``{"a": "", "b": "arg", "c": ""}``; a name that is not one
@@ -98,15 +90,9 @@ def chapter_module(name: str):
     return importlib.import_module(f"{__package__}.{CHAPTERS[name]}")
 
 
-def run_chapter(
-    name: str,
-    out: Path,
-    quick: bool = False,
-    ncu: bool = True,
-    parts: str | None = None,
-    boxes: str | None = None,
-    dev: str | None = None,
-) -> dict:
+def run_chapter(name: str, out: Path, quick: bool = False, ncu: bool = True,
+                parts: str | None = None, boxes: str | None = None,
+                dev: str | None = None) -> dict:  # fmt: skip
     """Run chapter ``name``'s parts (``parts``, comma-separated, or its default)
     into ``out``; returns the manifest's notes (module docstring)."""
     from .common import device, free
@@ -164,9 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=None, help="the chapter's parts, comma-"
                     "separated (e.g. 01_reference: progress)")  # fmt: skip
     ap.add_argument("--boxes", default=None, help="diamond repeats, e.g. 4,8")
-    ap.add_argument(
-        "--cpu", action="store_true", help="run without a GPU (a smoke test)"
-    )
+    ap.add_argument("--cpu", action="store_true", help="no GPU (a smoke test)")
     args = ap.parse_args(argv)
     import torch
 

@@ -35,17 +35,8 @@ import json
 import os
 from pathlib import Path
 
-__all__ = [
-    "KERNEL_COLUMNS",
-    "MODES",
-    "STEP_COLUMNS",
-    "check",
-    "kernel_row",
-    "plan",
-    "provenance",
-    "step_row",
-    "write",
-]
+__all__ = ["KERNEL_COLUMNS", "MODES", "STEP_COLUMNS", "check", "kernel_row", "plan",
+           "provenance", "step_row", "write"]  # fmt: skip
 
 STEP_COLUMNS = (
     "system", "n_atoms", "n_edges", "mode", "precision", "plan",

@@ -20,7 +20,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-__all__ = ["OUTSIDE", "stage_times"]
+import torch
+
+from .. import bench
+
+__all__ = ["OUTSIDE", "profile_stages", "stage_rows", "stage_times"]
 
 PREFIX = "ece::"
 BACKWARD = "autograd::engine::evaluate_function: "
@@ -49,9 +53,8 @@ def _ancestors(e):
         p = p.cpu_parent
 
 
-def stage_times(
-    events: Iterable, time_us: Callable = device_us, iters: int = 1
-) -> dict[str, tuple[float, float]]:
+def stage_times(events: Iterable, time_us: Callable = device_us,
+                iters: int = 1) -> dict[str, tuple[float, float]]:  # fmt: skip
     """``{stage: (forward_ms, backward_ms)}`` per call from a profile of ``iters``
     calls (``prof.events()``); ``time_us(event)`` is the time counted for an event
     and its children (kernel time by default). Stages in the order they first ran,
@@ -103,3 +106,21 @@ def stage_times(
     fwd[OUTSIDE] += max(forward_total - top_ranges, 0.0)
     stages = [*order, OUTSIDE]
     return {s: (fwd[s] / 1e3 / iters, bwd[s] / 1e3 / iters) for s in stages}
+
+
+def profile_stages(step, dev: str, iters: int = 2) -> dict[str, tuple[float, float]]:
+    """:func:`stage_times` per call of ``step``, ``iters`` calls profiled
+    (:func:`~.common.profiled`): kernel time on a GPU, CPU time without one."""
+    from .common import profiled
+
+    events = profiled(step, iters, dev)[0].events()
+    return stage_times(events, device_us if dev == "cuda" else cpu_us, iters)
+
+
+def stage_rows(label: str, step, n_atoms: int, dev: str) -> list[dict]:
+    """Rows of a stages.csv: one force step's forward and backward time by stage
+    (:func:`profile_stages`), with the provenance of a float32 run."""
+    prov = bench.provenance(torch.float32)
+    return [{"system": label, "n_atoms": n_atoms, "stage": stage, "forward_ms": f,
+             "backward_ms": b, **prov}
+            for stage, (f, b) in profile_stages(step, dev).items()]  # fmt: skip

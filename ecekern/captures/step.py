@@ -3,22 +3,12 @@
 Parts (``parts``, comma-separated):
 
 * ``waterfall`` -> waterfall.csv: the replayed step split into its stages
-  (:data:`ecekern.flops.STAGES`; the reference's own passes counted with the
-  stage that folds them, :data:`FOLDED`), before and after chapter 7's stages
+  (:data:`ecekern.flops.STAGES`, the reference's own passes counted with the stage
+  that folds them, :data:`FOLDED`), before and after chapter 7's stages
   (:data:`WATERFALL`), per precision of the mixing stack, at 512, 4096 and (the
-  default precision, the recomputing cohorts) 32,768 atoms. Per stage: forward and
-  backward kernel time (``torch.profiler`` over two eager steps, each kernel given
-  to the ``ece::<stage>`` range that launched it or made its autograd node:
-  :func:`~.stages.stage_times`), the stage's FLOP and bytes
-  (:func:`ecekern.flops.stage_costs`), its floor at our measured ceilings
-  (:func:`~.common.ceilings`: the copy bandwidth, the GEMM rate of the stage's
-  precision) and the ratio. Two more rows close the sum: ``(outside the stages)``
-  (the force step's own kernels: the energy's sum, gradient buffers) and
-  ``(replay minus kernels)``, the replayed step's time minus every profiled kernel's:
-  the gaps between the graph's kernels, and what the replay does that the eager
-  profile does not (its spare edge slots, ``GraphStep``'s headroom, cost as much as
-  real edges; it can be negative where the two steps differ more, as with the
-  recomputing cohorts); the ``(replayed step)`` row is the step itself.
+  default precision, the recomputing cohorts) 32,768 atoms: per stage its forward
+  and backward kernel time, FLOP, bytes, floor and the ratio, then the rows that
+  close the sum (:func:`waterfall_rows`).
 * ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
   TorchSim, and batches of small systems in TorchSim (:func:`md`).
 * ``precision`` -> precision.csv, nve.csv: the whole step's precisions against
@@ -38,16 +28,8 @@ import torch
 
 from .. import bench, options
 from ..flops import STAGES, stage_costs
-from .common import (
-    book_config,
-    ceilings,
-    for_boxes,
-    force_row,
-    free,
-    ncu_part,
-    profiled,
-)
-from .stages import OUTSIDE, cpu_us, device_us, stage_times
+from . import common
+from .stages import OUTSIDE, profile_stages
 
 __all__ = ["GPU_ONLY", "PARTS", "WATERFALL"]
 
@@ -78,13 +60,20 @@ def floor_ms(cost: dict, precision: str, ceil: dict) -> float:
 
 
 def waterfall_rows(label, precision, model, inputs, dev, ceil, replay_ms) -> list:
-    """The waterfall's rows of one case (module docstring)."""
+    """The waterfall's rows of one case. Per stage: forward and backward kernel time
+    (two eager steps profiled, :func:`~.stages.profile_stages`), its FLOP and bytes
+    (:func:`ecekern.flops.stage_costs`), its floor at our measured ceilings
+    (:func:`~.common.ceilings`, :func:`floor_ms`) and the ratio. Then
+    ``(outside the stages)`` (the force step's own kernels: the energy's sum,
+    gradient buffers); :data:`GAPS`, the replayed step's time minus every profiled
+    kernel's (the gaps between the graph's kernels and the replay's spare edge
+    slots; negative where the two steps differ more, as with the recomputing
+    cohorts); :data:`STEP`, the replayed step itself."""
     from ..model import force_step
 
     pos, numbers, graph = inputs
     n, E = pos.shape[0], graph.n_edges
-    prof = profiled(lambda: force_step(model, pos, numbers, graph), 2, dev)[0]
-    times = stage_times(prof.events(), device_us if dev == "cuda" else cpu_us, 2)
+    times = profile_stages(lambda: force_step(model, pos, numbers, graph), dev)
     costs = stage_costs(model.config, n, E)
     merged: dict = {}
     for stage, (fwd, bwd) in times.items():  # the reference's own passes, folded
@@ -111,29 +100,22 @@ def waterfall(run, arg: str = "", cfg=None) -> str:
     """waterfall.csv (module docstring); ``cfg``: the model's config (the book's,
     :func:`~.common.book_config`, by default)."""
     rows: list[dict] = []
-    ceil = ceilings()
-    big = [] if run.quick or run.dev != "cuda" else [16]
-
-    # the interpreter's smoke run: one timed call
-    timing = (
-        dict(rep_ms=300.0, min_reps=10)
-        if run.dev == "cuda"
-        else dict(rep_ms=1.0, min_reps=1)
-    )
+    ceil, cuda = common.ceilings(), run.dev == "cuda"
+    big = [] if run.quick or not cuda else [16]
 
     def body(rep, model, inputs):
         precisions = PRECISIONS if rep not in big else PRECISIONS[:1]
         extra = {} if rep not in big else {"memory": "recompute"}
-        for precision in precisions if run.dev == "cuda" else ("fp32",):
+        for precision in precisions if cuda else ("fp32",):
             for label, opts in WATERFALL.items():
                 opts = {**opts, **extra}
-                if run.dev == "cuda":
+                if cuda:
                     opts["precision"] = precision
                 with options.use(**opts):
                     plan = model.plan(inputs[0].device, inputs[0].dtype).describe()
                     try:
-                        step = force_row(label, model, inputs, plan, "replay",
-                                         **timing)  # fmt: skip
+                        step = common.force_row(label, model, inputs, plan, "replay",
+                                                **run.timing(300.0, 10))  # fmt: skip
                         rows.extend(waterfall_rows(
                             label, precision, model, inputs, run.dev, ceil, step["ms"]
                         ))  # fmt: skip
@@ -143,10 +125,10 @@ def waterfall(run, arg: str = "", cfg=None) -> str:
                                          n_atoms=inputs[0].shape[0], stage=STEP,
                                          error=repr(exc)[:200]))  # fmt: skip
                 bench.write_csv(rows, run.out / "waterfall.csv")
-                free()
+                common.free()
 
-    cfg = cfg or book_config(run.dev)
-    for_boxes(run, body, cfg, run.reps() + big, run.dev)
+    cfg = cfg or common.book_config(run.dev)
+    common.for_boxes(run, body, cfg, run.reps() + big, run.dev)
     return "done"
 
 
@@ -159,16 +141,14 @@ def _md_case(advance, total_energy, n_atoms, dev, seconds) -> dict:
     """Time ``advance(k)`` (k MD steps) after three warm-up steps, for ``seconds``
     or :data:`MAX_STEPS` steps, whichever comes first, and at least 5; the total
     energy before and after."""
-    from .common import sync
-
     advance(3)  # the capture, the first compiles
-    sync(dev)
+    common.sync(dev)
     e0, steps = total_energy(), 0
     t0 = time.perf_counter()
     while steps < 5 or (time.perf_counter() - t0 < seconds and steps < MAX_STEPS):
         advance(5)
         steps += 5
-    sync(dev)
+    common.sync(dev)
     dt = time.perf_counter() - t0
     drift = (total_energy() - e0) / n_atoms / (steps * 1e-3)  # eV/atom/ps at 1 fs
     per_s = steps / dt
@@ -184,7 +164,8 @@ def md(run, arg: str = "", cfg=None) -> str:
     CUDA default) and TorchSim's (:class:`~ecekern.torchsim.ECETorchSimModel`), at
     512, 4096 and 32,768 atoms; then batches of 64-atom systems in one TorchSim
     state. Per case: ms per MD step, steps per second, ns/day, atom-steps per second
-    and the total energy's drift (meV/atom/ps) over the timed steps."""
+    and the total energy's drift (meV/atom/ps) over the timed steps; a case out of
+    memory, or whose atoms met, is a row with its error."""
     import numpy as np
     from ase import units
     from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
@@ -193,57 +174,41 @@ def md(run, arg: str = "", cfg=None) -> str:
     import ecekern
 
     rows: list[dict] = []
-    cfg = cfg or book_config(run.dev)
-    seconds = 2.0 if run.dev == "cuda" else 0.0
-    reps = run.reps() + ([] if run.quick or run.dev != "cuda" else [16])
+    cfg, cuda = cfg or common.book_config(run.dev), run.dev == "cuda"
+    seconds = 2.0 if cuda else 0.0
     prov = bench.provenance(torch.float32)
+    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
 
     def add(host, n_systems, atoms_each, case):
-        rows.append(dict(host=host, n_systems=n_systems, n_atoms=atoms_each,
-                         **case, **prov))  # fmt: skip
-        print("md", host, n_systems, atoms_each, f"{case['ms_per_step']:.2f} ms",
-              flush=True)  # fmt: skip
+        row = dict(host=host, n_systems=n_systems, n_atoms=atoms_each)
+        try:
+            row |= case()
+            print("md", host, n_systems, atoms_each,
+                  f"{row['ms_per_step']:.2f} ms", flush=True)  # fmt: skip
+        except (torch.OutOfMemoryError, ValueError) as exc:  # memory; atoms met
+            row["error"] = repr(exc)[:200]
+        rows.append({**row, **prov})
         bench.write_csv(rows, run.out / "md.csv")
+        common.free()
 
-    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
-    for rep in reps:
-        for host, graph_step in (("ASE eager", False), ("ASE replayed", None)):
-            if graph_step is None and run.dev != "cuda":
-                continue
-            atoms = ecekern.systems.diamond(rep, seed=1)
-            MaxwellBoltzmannDistribution(atoms, temperature_K=300,
-                                         rng=np.random.default_rng(0))  # fmt: skip
-            atoms.calc = ecekern.ECECalculator(model, graph_step=graph_step)
-            dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
-            try:
-                add(
-                    host,
-                    1,
-                    len(atoms),
-                    _md_case(
-                        dyn.run, atoms.get_total_energy, len(atoms), run.dev, seconds
-                    ),
-                )
-            except (torch.OutOfMemoryError, ValueError) as exc:  # memory; atoms met
-                rows.append(dict(host=host, n_atoms=len(atoms), error=repr(exc)[:200]))
-            atoms = dyn = None
-            free()
-        try:
-            add("TorchSim", 1, 8 * rep**3,
-                _torchsim_case(model, [rep], run.dev, seconds))  # fmt: skip
-        except torch.OutOfMemoryError as exc:
-            rows.append(
-                dict(host="TorchSim", n_atoms=8 * rep**3, error=repr(exc)[:200])
-            )
-        free()
-    for n_systems in (1, 8, 32) if run.dev == "cuda" else (2,):
-        try:
-            add("TorchSim", n_systems, 64,
-                _torchsim_case(model, [2] * n_systems, run.dev, seconds))  # fmt: skip
-        except (torch.OutOfMemoryError, ValueError) as exc:
-            rows.append(dict(host="TorchSim", n_systems=n_systems, n_atoms=64,
-                             error=repr(exc)[:200]))  # fmt: skip
-        free()
+    def ase(rep, graph_step):
+        atoms = ecekern.systems.diamond(rep, seed=1)
+        MaxwellBoltzmannDistribution(atoms, temperature_K=300,
+                                     rng=np.random.default_rng(0))  # fmt: skip
+        atoms.calc = ecekern.ECECalculator(model, graph_step=graph_step)
+        dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
+        return _md_case(dyn.run, atoms.get_total_energy, len(atoms), run.dev, seconds)
+
+    def torchsim(reps):
+        return lambda: _torchsim_case(model, reps, run.dev, seconds)
+
+    for rep in run.reps() + ([] if run.quick or not cuda else [16]):
+        add("ASE eager", 1, 8 * rep**3, lambda: ase(rep, False))
+        if cuda:
+            add("ASE replayed", 1, 8 * rep**3, lambda: ase(rep, None))
+        add("TorchSim", 1, 8 * rep**3, torchsim([rep]))
+    for n_systems in (1, 8, 32) if cuda else (2,):
+        add("TorchSim", n_systems, 64, torchsim([2] * n_systems))
     return "done"
 
 
@@ -273,9 +238,7 @@ def _torchsim_case(model, reps, dev, seconds) -> dict:
         kinetic = ts.calc_kinetic_energy(masses=s.masses, momenta=s.momenta)
         return float(s.energy.sum() + kinetic)
 
-    n = sum(len(b) for b in boxes)
-    case = _md_case(advance, total, n, dev, seconds)
-    return case | {"atom_steps_per_s": case["steps_per_s"] * n}
+    return _md_case(advance, total, sum(len(b) for b in boxes), dev, seconds)
 
 
 #: The whole-step precision study's cases: (label, TF32, options) on top of chapter
@@ -319,31 +282,51 @@ def _tethered(model, anchor):
     return SumCalculator([ECECalculator(model), Tether()])
 
 
+def _nve_drift(atoms, length: float) -> dict:
+    """Velocity Verlet at :data:`NVE_DT_FS` for ``length`` fs from ``atoms`` (their
+    calculator and momenta set): the total energy's drift per atom (a linear fit,
+    meV/atom/ps) and its largest deviation (meV/atom), sampled every 5 steps."""
+    import numpy as np
+    from ase import units
+    from ase.md.verlet import VelocityVerlet
+
+    e0, t_fs, es = atoms.get_total_energy(), [], []
+    dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
+
+    def log():
+        t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
+        es.append(atoms.get_total_energy())
+
+    dyn.attach(log, interval=5)
+    dyn.run(round(length / NVE_DT_FS))
+    de = (np.asarray(es) - e0) / len(atoms)
+    slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
+    return dict(drift_meV_per_atom_ps=1e3 * slope,
+                max_dev_meV_per_atom=1e3 * np.abs(de).max())  # fmt: skip
+
+
 def precision(run, arg: str = "", cfg=None) -> str:
     """precision.csv and nve.csv: the whole step in each precision of
     :data:`STEP_PRECISIONS` (chapter 7's fused stages on) against float64 with the
     same weights at 512 atoms (force errors relative to the force RMS, energy per
     atom), and the total energy's drift in NVE (1 fs, 1 ps from 300 K, tethered,
-    ASE's Velocity Verlet through the replayed calculator)."""
+    ASE's Velocity Verlet through the replayed calculator, :func:`_nve_drift`)."""
     import copy
 
     import numpy as np
-    from ase import units
     from ase.md.velocitydistribution import thermalize_momenta
-    from ase.md.verlet import VelocityVerlet
 
     import ecekern
 
     cuda = run.dev == "cuda"
-    cfg = cfg or book_config(run.dev)
+    cfg = cfg or common.book_config(run.dev)
     rep, length = (4, NVE_FS) if cuda else (1, 5 * NVE_DT_FS)
-    stages = {**WATERFALL["after"]}
     torch.manual_seed(0)
     m64 = ecekern.ECEModel(cfg).double().to(run.dev)
     m32 = copy.deepcopy(m64).float()
     cases = [("fp64", m64, False, {})]
     for label, tf32, opts in STEP_PRECISIONS if cuda else STEP_PRECISIONS[:1]:
-        cases.append((label, m32, tf32, {**stages, **opts}))
+        cases.append((label, m32, tf32, {**WATERFALL["after"], **opts}))
     rows, nve = [], []
     for rattle in RATTLES:
         atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
@@ -351,12 +334,8 @@ def precision(run, arg: str = "", cfg=None) -> str:
                         for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
         f_rms = f_ref.square().mean().sqrt().item()
         for label, model, tf32, opts in cases[1:]:
-            bench.set_tf32(tf32)
-            try:
-                with options.use(**opts):
-                    got = ecekern.energy_and_forces(model, atoms)
-            finally:
-                bench.set_tf32(False)
+            with common.switched(opts, tf32):
+                got = ecekern.energy_and_forces(model, atoms)
             e, f = (t.detach().cpu().double() for t in got)
             d = (f - f_ref).norm(dim=1)
             rows.append(dict(precision=label, rattle_A=rattle, n_atoms=len(atoms),
@@ -370,40 +349,17 @@ def precision(run, arg: str = "", cfg=None) -> str:
         atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
         thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
         atoms.calc = _tethered(model, atoms.positions.copy())
-        bench.set_tf32(tf32)
         try:
-            with options.use(**opts):
-                e0, t_fs, es = atoms.get_total_energy(), [], []
-                dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
-
-                def log(atoms=atoms, dyn=dyn, t_fs=t_fs, es=es):
-                    t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
-                    es.append(atoms.get_total_energy())
-
-                dyn.attach(log, interval=5)
-                dyn.run(round(length / NVE_DT_FS))
-            de = (np.asarray(es) - e0) / len(atoms)
-            slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
-            row = dict(drift_meV_per_atom_ps=1e3 * slope,
-                       max_dev_meV_per_atom=1e3 * np.abs(de).max())  # fmt: skip
+            with common.switched(opts, tf32):
+                row = _nve_drift(atoms, length)
         except (ValueError, torch.OutOfMemoryError) as exc:  # a row, not the end
             row = {"error": repr(exc)[:300]}
-        finally:
-            bench.set_tf32(False)
-        nve.append(
-            dict(
-                precision=label,
-                n_atoms=len(atoms),
-                dt_fs=NVE_DT_FS,
-                length_fs=length,
-                temperature_K=NVE_K,
-                tether_eV_A2=TETHER,
-                **row,
-                **bench.provenance(next(model.parameters()).dtype),
-            )
-        )
+        prov = bench.provenance(next(model.parameters()).dtype)
+        nve.append(dict(precision=label, n_atoms=len(atoms), dt_fs=NVE_DT_FS,
+                        length_fs=length, temperature_K=NVE_K, tether_eV_A2=TETHER,
+                        **row, **prov))  # fmt: skip
         bench.write_csv(nve, run.out / "nve.csv")
-        free()
+        common.free()
     return "done"
 
 
@@ -424,10 +380,8 @@ def scale(run, arg: str = "", cfg=None) -> str:
     import ecekern
     from ecekern.model import prepare_inputs
 
-    cuda = run.dev == "cuda"
-    cfg = cfg or book_config(run.dev)
-    reps = SCALE_REPS if cuda and not run.quick else (1,)
-    timing = dict(rep_ms=200.0, min_reps=5) if cuda else dict(rep_ms=1.0, min_reps=1)
+    cfg = cfg or common.book_config(run.dev)
+    reps = SCALE_REPS if run.dev == "cuda" and not run.quick else (1,)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     rows: list[dict] = []
     model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
@@ -438,8 +392,8 @@ def scale(run, arg: str = "", cfg=None) -> str:
             try:
                 inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, run.dev)
                 with options.use(**opts):
-                    row = force_row(f"memory={memory}", model, inputs, "", "replay",
-                                    **timing)  # fmt: skip
+                    label, timing = f"memory={memory}", run.timing(200.0, 5)
+                    row = common.force_row(label, model, inputs, "", "replay", **timing)
                 row["us_per_atom_step"] = 1e3 * row["ms"] / len(atoms)
             except torch.OutOfMemoryError as exc:
                 row = dict(system=f"memory={memory}", n_atoms=len(atoms),
@@ -447,7 +401,7 @@ def scale(run, arg: str = "", cfg=None) -> str:
             rows.append({**row, "memory": memory, "alloc_conf": conf})
             bench.write_csv(rows, run.out / "scale.csv")
             inputs = None
-            free()
+            common.free()
             if "error" in row:
                 break
     return "done"
@@ -455,7 +409,7 @@ def scale(run, arg: str = "", cfg=None) -> str:
 
 #: Nsight Compute on chapter 7's kernels inside a 4096-atom force step
 #: (:func:`ecekern.captures.targets.step_kernels`)
-_ncu = ncu_part(
+_ncu = common.ncu_part(
     {"kernels": ("step_kernels", ["-k", "regex:_geometry|_radial|_atoms_kernel"])}
 )
 PARTS = {"waterfall": waterfall, "md": md, "precision": precision,

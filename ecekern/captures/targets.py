@@ -62,68 +62,6 @@ def edge_frame(rep: int = 8):
     _in_range(lambda: [ops[name]() for ops in runs for name in order])
 
 
-def _eqlin_inputs(E: int, F: int, n_ang: int):
-    """``(label, tf32, [x_cos, x_sin], w, b)`` on the GPU in strict fp32, TF32 and
-    bf16, with TF32 switched on for its turn and off after: the inputs of the
-    EquivariantLinear targets."""
-    from ecekern import bench
-
-    for label, dtype, tf32 in (
-        ("float32", torch.float32, False),
-        ("float32+tf32", torch.float32, True),
-        ("bfloat16", torch.bfloat16, False),
-    ):
-        bench.set_tf32(tf32)
-        x = [torch.randn(E, F, n_ang, device="cuda", dtype=dtype) for _ in range(2)]
-        w = (torch.randn(n_ang, F, F, device="cuda") / F**0.5).to(dtype)
-        b = torch.randn(F, device="cuda", dtype=dtype)
-        yield label, tf32, x, w, b
-    bench.set_tf32(False)
-
-
-def eqlin_triton(E: int = 47_000, F: int = 192, n_ang: int = 3):
-    """The forward (cos, then sin) in strict fp32, TF32 and bf16, each at the
-    library's choice of kernel and launch, then strict fp32 with the Triton kernel
-    at ``linear.plan.LAUNCH["fp32"]`` (the kernel the Gluon FMA kernel replaced):
-    the last two kernels."""
-    from ecekern.linear import autograd, plan, triton_modes
-
-    for _, tf32, x, w, b in _eqlin_inputs(E, F, n_ang):
-        fn = lambda x, b, w=w, tf32=tf32: autograd.run_kernel(x, w, b, tf32)
-        _in_range(lambda x=x, b=b, fn=fn: (fn(x[0], b), fn(x[1], None)))
-    x = [torch.randn(E, F, n_ang, device="cuda") for _ in range(2)]
-    w = torch.randn(n_ang, F, F, device="cuda") / F**0.5
-    b = torch.randn(F, device="cuda")
-    launch = plan.LAUNCH["fp32"]
-    _in_range(
-        lambda: (
-            triton_modes.triton_fwd(x[0], w, b, launch),
-            triton_modes.triton_fwd(x[1], w, None, launch),
-        )
-    )
-
-
-def eqlin_dense(E: int = 47_000, F: int = 192, n_ang: int = 3):
-    """The dense path's forward (cos and sin: the block-diagonal weight's assembly,
-    then cuBLAS) in strict fp32, TF32 and bf16, the same inputs as
-    :func:`eqlin_triton`: what the per-mode kernels are up against."""
-    from ecekern.linear import dense
-
-    for _, _, x, w, b in _eqlin_inputs(E, F, n_ang):
-        _in_range(lambda x=x, w=w, b=b: dense.dense(*x, w, b))
-
-
-def zonal_fused(E: int = 365_000, L: int = 3, C: int = 32):
-    """The gather (backward), then the forward, at the library's launch."""
-    from ecekern import zonal
-    from ecekern.captures.zonal import random_scatter
-
-    _, dst, row_ptr, *zrg = random_scatter(E, L, C, "cuda", 0)
-    Z, R, G = (t.float() for t in zrg)
-    _in_range(lambda: zonal.zonal_edge_gather(G, Z, R, dst, row_ptr, 0.1))
-    _in_range(lambda: zonal.zonal_scatter_fwd(Z, R, row_ptr, 0.1), warmup=1)
-
-
 def _stack_ranges(layers, x, gy, ws, bs, wo, bo, precisions, recompute=False, **kw):
     """For each precision: the stack's forward by the kernel family ``layers``
     (:mod:`ecekern.stack_layers` or :mod:`ecekern.stack_fused`), then its force
@@ -195,20 +133,8 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
 #: The programs by name; ``cohorts_stack_recompute``: :func:`cohorts_stack` with
 #: ``recompute``; ``step_kernels``: chapter 7's fused geometry and radial kernels in
 #: the library's 4096-atom force step (:func:`force_step` with them on).
-TARGETS = {
-    f.__name__: f
-    for f in (
-        cohorts_layers,
-        cohorts_stack,
-        copy,
-        gemm,
-        force_step,
-        eqlin_triton,
-        eqlin_dense,
-        zonal_fused,
-        edge_frame,
-    )
-} | {
+_PROGRAMS = (cohorts_layers, cohorts_stack, copy, gemm, force_step, edge_frame)
+TARGETS = {f.__name__: f for f in _PROGRAMS} | {
     "cohorts_stack_recompute": lambda: cohorts_stack(recompute=True),
     "step_kernels": lambda: force_step(8, geometry="fused", radial="fused"),
     "edge_layer_step": lambda: force_step(4, edge_layer="triton"),

@@ -1,18 +1,15 @@
 """Chapter 5's capture: the zonal scatter, reference vs fused, in the force step.
 
-Parts (``parts``, comma-separated):
-
-* ``steps`` -> model_steps.csv and profile_*: the force and training steps with the
-  reference and the fused scatter (the linear on the einsum: only the scatter
-  changes);
-* ``ncu`` -> ncu_fused.csv: the gather and the forward at the library's launch.
+Its part ``steps`` -> model_steps.csv and profile_*: the force and training steps
+with the reference and the fused scatter (the linear on the einsum: only the scatter
+changes). The settled ``ncu`` part: ``book/history/05_zonal/ncu_capture.md``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import BEFORE_CH6, ncu_part, option_steps, profile_table
+from .common import BEFORE_CH6, option_steps, profile_table
 
 __all__ = ["PARTS", "launch_label", "random_scatter"]
 
@@ -85,6 +82,5 @@ def _model_steps(run, arg: str) -> str:
     return option_steps(run, cases, "model_steps", reps=reps, each=profile)
 
 
-_ncu = ncu_part({"fused": ("zonal_fused", None)})
-PARTS = {"steps": _model_steps, "ncu": _ncu}
+PARTS = {"steps": _model_steps}
 GPU_ONLY = tuple(PARTS)
