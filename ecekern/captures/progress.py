@@ -1,6 +1,6 @@
 """Chapter 1's capture: the book's cumulative progress table in one run
-(``progress``), and Nsight Compute on the reference's 512-atom force step (``ncu``,
-the default run). The reference's own measurements are settled:
+(``progress``), and Nsight Compute on the reference's 512-atom force step (``ncu``);
+both run by default. The reference's own measurements are settled:
 ``book/history/01_reference/reference_capture.md``.
 
 At 512 and 4096 atoms (``diamond(4)``, ``diamond(8)``), strict fp32 and fp32 + TF32,
@@ -300,5 +300,4 @@ _ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
 
 
 PARTS = {"progress": _progress, "ncu": _ncu}
-DEFAULT = "ncu"
 GPU_ONLY = tuple(PARTS)

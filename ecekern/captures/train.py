@@ -5,13 +5,9 @@
   through them, AdamW) on batches of 8 and 32 structures of the shipped carbon set,
   the library's defaults against the reference: milliseconds and peak memory.
 
-* ``xtb`` -> xtb_checks.json (CPU, minutes): GFN1-xTB's side of the appendix's
-  physics checks, for the trained model to be compared with: diamond's equation of
-  state (64-atom cubic cell) and its Gamma-point frequencies at xTB's lattice
-  constant (the 2 x 2 x 2 supercell: the crystal's phonons at Gamma, X and L).
-
 The model itself is trained by ``python -m ecekern.train`` (README), which stores
-its metrics, its training log's path and its provenance in the checkpoint.
+its metrics, its training log's path and its provenance in the checkpoint; GFN1-xTB's
+side of the physics checks is ``python -m ecekern.train.checks`` (CPU).
 With ``--cpu`` the part runs a small model on 4 structures (a smoke test).
 """
 
@@ -61,27 +57,4 @@ def _step(run, arg: str) -> str:
     return "done"
 
 
-def _xtb(run, arg: str) -> str:
-    import json
-
-    from ase.build import bulk
-    from tblite.ase import TBLite
-
-    from ..train import checks
-
-    calc = TBLite(method="GFN1-xTB", verbosity=0)
-    cell = bulk("C", "diamond", a=3.567, cubic=True).repeat(1 if run.quick else 2)
-    eos = checks.equation_of_state(calc, cell)
-    a0 = 3.567 * eos["scale"]
-    at_a0 = bulk("C", "diamond", a=a0, cubic=True).repeat(1 if run.quick else 2)
-    freqs = checks.gamma_frequencies(calc, at_a0)
-    out = {"eos": eos, "a0": a0, "cell_atoms": len(at_a0),
-           "gamma_THz": [float(f) for f in freqs],
-           "calculator": "tblite.ase.TBLite(method='GFN1-xTB')",
-           "provenance": bench.provenance()}  # fmt: skip
-    (run.out / "xtb_checks.json").write_text(json.dumps(out, indent=1))
-    return f"a0 {a0:.4f} A, B {eos['B_GPa']:.0f} GPa"
-
-
-PARTS = {"step": _step, "xtb": _xtb}
-DEFAULT = "step"
+PARTS = {"step": _step}

@@ -10,6 +10,11 @@
   moved along x, y and z;
 * :func:`rdf`: the radial distribution function g(r) of periodic frames.
 
+``python -m ecekern.train.checks OUT.json [--quick]`` writes GFN1-xTB's side of the
+training appendix's checks (tblite, on the CPU, minutes): diamond's equation of state
+(the 64-atom cubic cell) and its Gamma-point frequencies at xTB's lattice constant
+(that 2 x 2 x 2 supercell: the crystal's phonons at Gamma, X and L), with provenance.
+
 Status: CPU and CUDA (the calculator's device); numpy results.
 """
 
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["equation_of_state", "gamma_frequencies", "rdf"]
+__all__ = ["diamond_checks", "equation_of_state", "gamma_frequencies", "rdf"]
 
 #: sqrt(eV / (A^2 amu)) in THz: the unit of a frequency from a Hessian in eV/A^2
 #: and masses in amu, divided by 2 pi.
@@ -90,3 +95,33 @@ def rdf(frames, r_max: float = 5.0, n_bins: int = 100) -> tuple:
         norm += len(a) * len(a) / a.get_volume()
     shell = 4.0 / 3.0 * np.pi * (edges[1:] ** 3 - edges[:-1] ** 3)
     return 0.5 * (edges[1:] + edges[:-1]), hist / (shell * norm)
+
+
+def diamond_checks(calc, repeats: int = 2, a: float = 3.567) -> dict:
+    """Diamond's equation of state (the cubic cell repeated ``repeats`` times) and
+    its Gamma-point frequencies (THz) at the fitted lattice constant ``a0``."""
+    from ase.build import bulk
+
+    eos = equation_of_state(calc, bulk("C", "diamond", a=a, cubic=True).repeat(repeats))
+    a0 = a * eos["scale"]
+    cell = bulk("C", "diamond", a=a0, cubic=True).repeat(repeats)
+    freqs = gamma_frequencies(calc, cell)
+    return {"eos": eos, "a0": a0, "n_atoms": len(cell),
+            "gamma_THz": [float(f) for f in freqs]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from tblite.ase import TBLite
+
+    from ..bench import provenance
+
+    out = diamond_checks(TBLite(method="GFN1-xTB", verbosity=0),
+                         1 if "--quick" in sys.argv else 2)  # fmt: skip
+    out["calculator"] = "tblite.ase.TBLite(method='GFN1-xTB')"
+    out["provenance"] = {k: str(v) for k, v in provenance().items()}
+    with open(sys.argv[1], "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"a0 {out['a0']:.4f} A, B {out['eos']['B_GPa']:.0f} GPa")
