@@ -111,8 +111,8 @@ def test_label_drops_failed_scf():
 def test_tiny_run_writes_readable_labelled_file(tmp_path):
     pytest.importorskip("tblite")
     families = ("diamond", "amorphous")
-    carbon.main(["--out", str(tmp_path), "--scale", "0.01", "--families"]
-                + [",".join(families)])  # fmt: skip
+    args = ["--out", str(tmp_path), "--scale", "0.01"]
+    carbon.main([*args, "--families", ",".join(families)])
     frames = carbon.load(tmp_path / "carbon_gfn1.extxyz.xz")
     assert len(frames) == sum(carbon.FRAMES[f] for f in families)
     parent_split = {}

@@ -33,6 +33,7 @@ Files: ``carbon_gfn1.extxyz.xz`` (ASE extxyz, lzma) and ``carbon_gfn1.json``
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import lzma
 import os
@@ -210,9 +211,9 @@ def _md_frames(atoms, rng, temperature, md, n_frames, calc_factory, failures):
     atoms = atoms.copy()
     atoms.calc = calc_factory()
     thermalize_momenta(atoms, temperature, rng=rng)
-    friction = md["friction_per_fs"] / units.fs
-    dyn = Langevin(atoms, md["timestep_fs"] * units.fs, temperature_K=temperature,
-                   friction=friction, fixcm=False, rng=rng)  # fmt: skip
+    dt, friction = md["timestep_fs"] * units.fs, md["friction_per_fs"] / units.fs
+    kw = {"temperature_K": temperature, "friction": friction, "fixcm": False}
+    dyn = Langevin(atoms, dt, rng=rng, **kw)
     frames = []
     try:
         dyn.run(md.get("equilibrate", 0))
@@ -406,8 +407,9 @@ def load(path: str | Path | None = None) -> list[Atoms]:
             f"{path} not found; generate it with "
             f"`python -m ecekern.data.carbon --out {path.parent}` (needs tblite)"
         )
-    with lzma.open(path, "rt") as fh:
-        return ase.io.read(fh, index=":", format="extxyz")
+    with lzma.open(path, "rt") as fh:  # decompressed whole: seeking in lzma is slow
+        text = io.StringIO(fh.read())
+    return ase.io.read(text, index=":", format="extxyz")
 
 
 def reproduce(path: str | Path | None = None, n: int = 3, seed: int = 0) -> list[dict]:
