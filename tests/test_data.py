@@ -79,6 +79,20 @@ def test_amorphous_packings_without_quench():
     assert np.ptp(densities) > 0.5  # the family spans densities
 
 
+def test_liquid_trajectory_frames():
+    pytest.importorskip("tblite")
+    failures = []
+    frames = carbon.liquid(_rng(0), n_frames=2, failures=failures)
+    assert failures == [] and len(frames) == 2
+    every, equilibrate = carbon.LIQUID["every"], carbon.LIQUID["equilibrate"]
+    assert [a.info["step"] for a in frames] == [equilibrate, equilibrate + every]
+    for atoms in frames:
+        assert len(atoms) in carbon.SIZES and atoms.get_momenta().max() == 0
+        assert 1.8 <= carbon.density(atoms) <= 3.2
+        assert 3000 <= atoms.info["temperature_K"] <= 6000
+    assert not np.allclose(frames[0].positions, frames[1].positions)
+
+
 def test_assign_splits_by_parent():
     splits = carbon.assign_splits(120, seed=0, family="amorphous")
     assert [splits.count(s) for s in ("train", "val", "test")] == [96, 12, 12]
@@ -145,6 +159,7 @@ def test_shipped_labels_reproduce():
     for row in rows:
         assert row["energy_per_atom"] < 1e-6, row
         assert row["forces"] < 1e-5, row
+        assert row["stress"] < 1e-6, row
 
 
 def test_shipped_file_splits_are_disjoint_by_parent():
