@@ -429,9 +429,8 @@ def reproduce(path: str | Path | None = None, n: int = 3, seed: int = 0) -> list
             raise RuntimeError(f"SCF failed relabelling structure {i}")
         row = {"index": int(i), "n_atoms": len(stored)}
         row.update((k, stored.info[k]) for k in ("family", "parent"))
-        row["energy_per_atom"] = abs(
-            fresh.get_potential_energy() - stored.get_potential_energy()
-        ) / len(stored)
+        d_energy = fresh.get_potential_energy() - stored.get_potential_energy()
+        row["energy_per_atom"] = float(abs(d_energy)) / len(stored)
         for key, get in (("forces", Atoms.get_forces), ("stress", Atoms.get_stress)):
             row[key] = float(np.abs(get(fresh) - get(stored)).max())
         rows.append(row)
