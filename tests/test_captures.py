@@ -661,3 +661,15 @@ def test_the_edge_layer_steps_part_compares_the_two_plans(tmp_path):
     plans = ["precision=3xtf32,stack=layers", "precision=3xtf32,edge_layer=triton"]
     assert [r["plan"] for r in rows] == plans
     assert all(float(r["ms"]) > 0 and r["mode"] == "eager" for r in rows)
+
+
+def test_the_training_step_part_runs_on_the_cpu(tmp_path):
+    """The training appendix's step part (a smoke run on the CPU, a small model on
+    four structures of the shipped carbon set): the defaults' and the reference's
+    training step, timed, in the step schema."""
+    from ecekern.captures import train
+
+    train.PARTS["step"](runner.Run(tmp_path, quick=True, dev="cpu"), "")
+    rows = _rows(tmp_path / "train_steps.csv")
+    assert [r["plan"] for r in rows] == ["defaults", "reference"]
+    assert all(float(r["ms"]) > 0 and int(r["n_atoms"]) > 0 for r in rows)
