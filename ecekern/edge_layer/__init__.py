@@ -42,7 +42,7 @@ import math
 import torch
 
 from .. import options, reference
-from .._autograd import engine_uses, grad_node
+from .._autograd import engine_uses, grad_node, torch_grads
 from .._triton import tl, triton, why_not_triton
 from ..graph import csr_order
 from ..so3 import lm_tables
@@ -75,8 +75,9 @@ def why_not(device_type: str, dtype: torch.dtype, F: int) -> str | None:
         return why
     if dtype not in (torch.float32, torch.float64):
         return f"{dtype} (the kernel computes in float32 or float64)"
-    if F % 8:
-        return f"F = {F} is not a multiple of 8"
+    if device_type == "cuda" and F % 32:
+        # tl.dot's blocks (16 at least on a GPU) must divide F and F' = F / 2
+        return f"F = {F} is not a multiple of 32 (the GPU's product blocks)"
     return None
 
 
@@ -87,8 +88,19 @@ def _block(n: int, cap: int = 64) -> int:
 
 def _check(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out):
     """``(N, E, L, C, NA, F, FO)``; a ValueError or TypeError naming the input."""
-    for name, t in (("h", h), ("P", P), ("rho", rho), ("env", env),
-                    ("weight_out", w_out)):  # fmt: skip
+    named = [
+        ("h", h),
+        ("P", P),
+        ("rho", rho),
+        ("env", env),
+        ("weight_out", w_out),
+        ("bias_out", b_out),
+    ]
+    named += [(f"weights[{i}]", w) for i, w in enumerate(weights)]
+    named += [(f"biases[{i}]", b) for i, b in enumerate(biases)]
+    for name, t in named:
+        if t is None and name.startswith("bias"):
+            continue
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor")
         if t.dtype != h.dtype or t.device != h.device:
@@ -114,12 +126,11 @@ def _check(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out):
     for w, b in zip(weights, biases):
         if w.shape != (NA, F, F) or (b is not None and b.shape != (F,)):
             raise ValueError(f"gated weights must be ({NA}, {F}, {F}), biases ({F},)")
-    FO = w_out.shape[1]
-    if w_out.shape != (NA, FO, F) or FO % (L + 1) or (
-            b_out is not None and b_out.shape != (FO,)):  # fmt: skip
-        raise ValueError(
-            f"weight_out must be ({NA}, C'(L+1), {F}), bias_out (C'(L+1),)"
-        )
+    FO = C * (L + 1)
+    if w_out.shape != (NA, FO, F) or (b_out is not None and b_out.shape != (FO,)):
+        raise ValueError(f"weight_out must be ({NA}, {FO}, {F}) and bias_out ({FO},): "
+                         "the fused layer's messages have C' = C channels (the "
+                         "model's)")  # fmt: skip
     return N, E, L, C, NA, F, FO
 
 
@@ -138,11 +149,13 @@ def _forward(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out,
         scratch = h.new_empty(n_prog, NA * 2 * BLOCK_E * (2 * F + FO))
         _edge_layer_fwd_kernel[(n_prog,)](
             h.contiguous(), P.contiguous(), rho, rho.stride(0), rho.stride(1),
-            env.contiguous(), src, dst, *_stack_args(weights, biases, w_out, b_out),
+            env.contiguous(), src.contiguous(), dst.contiguous(),
+            *_stack_args(weights, biases, w_out, b_out),
             scratch, out, part, float(scale), E, n_tiles, C,
             **_meta(L, NA, F, FO, len(weights), biases, b_out, precision, h.dtype),
         )  # fmt: skip
-    _boundary_kernel[(N,)](row_ptr, dst, part, out, E, Cp, S=S, BE=BLOCK_E,
+    _boundary_kernel[(N,)](row_ptr.contiguous(), dst.contiguous(), part, out, E, Cp,
+                           S=S, BE=BLOCK_E,
                            SC=triton.next_power_of_2(S * Cp))  # fmt: skip
     return out
 
@@ -186,7 +199,8 @@ def _backward(G, h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_ou
                                    biases, w_out, b_out)  # fmt: skip
     S = (L + 1) ** 2
     dh = h.new_empty(N, S, C)
-    dP, drho, denv = torch.zeros_like(P), h.new_empty(E, F), h.new_empty(E)
+    dP = torch.zeros(P.shape, dtype=P.dtype, device=P.device)  # contiguous
+    drho, denv = h.new_empty(E, F), h.new_empty(E)
     if N == 0:
         return dh, dP, drho, denv
     n_tiles, n_prog = _tiles(E, h.is_cuda)
@@ -199,14 +213,15 @@ def _backward(G, h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_ou
         meta = _meta(L, NA, F, FO, K, biases, b_out, precision, h.dtype)
         _edge_layer_bwd_kernel[(n_prog,)](
             G.contiguous(), h.contiguous(), P.contiguous(), rho, rho.stride(0),
-            rho.stride(1), env.contiguous(), src, dst,
+            rho.stride(1), env.contiguous(), src.contiguous(), dst.contiguous(),
             *_stack_args(weights, biases, w_out, b_out), scratch, dh, part, dsrc, dP,
             drho, drho.stride(0), drho.stride(1), denv, float(scale), E, n_tiles, C,
             BKO=_block(FO, BLOCK_N), C2=max(16, triton.next_power_of_2(2 * C)),
             **meta,
         )  # fmt: skip
     SC = triton.next_power_of_2(S * C)
-    _boundary_kernel[(N,)](row_ptr, dst, part, dh, E, C, S=S, BE=BLOCK_E, SC=SC)
+    _boundary_kernel[(N,)](row_ptr.contiguous(), dst.contiguous(), part, dh, E, C,
+                           S=S, BE=BLOCK_E, SC=SC)  # fmt: skip
     ptr_src, perm_src = csr_order(src, N) if order is None else order
     _src_sum_kernel[(N,)](ptr_src, perm_src, dsrc, dh, E, S=S, C=C, SC=SC)
     return dh, dP, drho, denv
@@ -249,8 +264,7 @@ class _EdgeLayerFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         needs = list(ctx.needs_input_grad[:6]) + list(ctx.needs_input_grad[13:])
         floats = list(saved[:6]) + list(saved[9:])
-        double = torch.is_grad_enabled()
-        if not double and not any(engine_uses(n) for n in ctx.params):
+        if not torch.is_grad_enabled() and not any(engine_uses(n) for n in ctx.params):
             # a force step: the kernels (the parameters get no gradient here)
             h, P, rho, env, w_out, b_out, src, dst, row_ptr, *wb = saved
             K = ctx.K
@@ -263,18 +277,16 @@ class _EdgeLayerFn(torch.autograd.Function):
         options.fallback("edge_layer backward", "parameter gradients or a second "
                          "derivative (training)", "the layer recomputed in "
                          "differentiable PyTorch")  # fmt: skip
-        with torch.enable_grad():
-            ins = [t if t is None or (double and t.requires_grad)
-                   else t.detach().requires_grad_(need)
-                   for t, need in zip(floats, needs)]  # fmt: skip
-            h, P, rho, env, w_out, b_out, *wb = ins
-            src, dst, row_ptr = saved[6:9]
-            out = edge_layer_torch(h, P, rho, env, src, dst, row_ptr, wb[: ctx.K],
-                                   wb[ctx.K :], w_out, b_out, ctx.scale)  # fmt: skip
-            wrt = [t for t, need in zip(ins, needs) if need]
-            got = iter(torch.autograd.grad(out, wrt, G, create_graph=double,
-                                           allow_unused=True))  # fmt: skip
-        grads = [next(got) if need else None for need in needs]
+        src, dst, row_ptr = saved[6:9]
+        K = ctx.K
+
+        def fn(h, P, rho, env, w_out, b_out, *wb):
+            return edge_layer_torch(h, P, rho, env, src, dst, row_ptr, wb[:K],
+                                    wb[K:], w_out, b_out, ctx.scale)  # fmt: skip
+
+        # partial derivatives through aliases (the model's rho is made from env,
+        # a later layer's h from P: the engine adds those paths once itself)
+        grads = torch_grads(fn, floats, needs, (G,))
         return (*grads[:6], *[None] * 7, *grads[6:])
 
 
