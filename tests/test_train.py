@@ -229,3 +229,12 @@ def test_the_physics_checks_agree_with_ase(tmp_path):
     lo, hi = r - 0.025, r + 0.025  # the bins' edges
     n1 = float((g * rho * 4 / 3 * np.pi * (hi**3 - lo**3)).sum())
     assert n1 == pytest.approx(12.0, rel=1e-9)
+
+
+def test_a_diverging_run_stops_with_a_clear_error():
+    """A learning rate that sends the loss to infinity or NaN ends training with a
+    FloatingPointError naming the batch, not with NaN weights."""
+    samples = [train.from_atoms(a) for a in _structures(4)]
+    cfg = train.TrainConfig(epochs=3, batch_size=2, lr=1e30, warmup_steps=0)
+    with pytest.raises(FloatingPointError, match="diverged"):
+        train.fit(_model(), samples[:2], samples[2:], cfg, quiet=True)

@@ -114,6 +114,8 @@ if __name__ == "__main__":
     import json
     import sys
 
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m ecekern.train.checks OUT.json [--quick]")
     from tblite.ase import TBLite
 
     from ..bench import provenance

@@ -153,12 +153,13 @@ def batch_graphs(graphs: list[Graph], n_atoms: list[int]) -> Graph:
     if any(g.padded or g.system is not None or g.cutoff != cutoff for g in graphs):
         raise ValueError("batch_graphs takes unpadded single-system graphs of one "
                          "cutoff")  # fmt: skip
+    dev = graphs[0].src.device
     start = torch.tensor([0, *np.cumsum(n_atoms)[:-1].tolist()], dtype=torch.long)
     E = torch.tensor([g.n_edges for g in graphs])
-    shift = torch.repeat_interleave(start.to(graphs[0].src.device), E.to(start.device))
+    shift = torch.repeat_interleave(start.to(dev), E.to(dev))
     src = torch.cat([g.src for g in graphs]) + shift
     dst = torch.cat([g.dst for g in graphs]) + shift
-    system = torch.repeat_interleave(torch.arange(len(graphs)), E).to(src.device)
+    system = torch.repeat_interleave(torch.arange(len(graphs), device=dev), E.to(dev))
     graph = Graph(src, dst, torch.cat([g.shifts for g in graphs]),
                   csr_row_ptr(dst, int(sum(n_atoms))),
                   torch.stack([g.cell for g in graphs]), cutoff=cutoff,

@@ -72,6 +72,12 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be finite and >= 0")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError("TrainConfig.ema_decay must be in [0, 1)")
+        for name in ("patience", "warmup_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
+        if not self.clip_norm > 0:
+            raise ValueError("TrainConfig.clip_norm must be > 0")
 
 
 def predict(model, batch: Batch, stress: bool = False, create_graph: bool = False):
@@ -129,10 +135,11 @@ def evaluate(model, samples: list[Sample], batch_size: int = 8,
     with ``"all"`` among them."""
     m = unwrap(model)
     p = next(m.parameters())
-    groups = {"all": samples}
+    groups = {"all": list(samples)}
     if by_family:
         for s in samples:
-            groups.setdefault(s.family or "-", []).append(s)
+            name = s.family or "-"
+            groups.setdefault(name if name != "all" else "all (family)", []).append(s)
     out = {}
     for name, group in groups.items():
         de, df, f2, ds = [], [], [], []
@@ -165,13 +172,15 @@ def init_scale(model, samples: list[Sample], batch_size: int = 32) -> float:
     """Set ``species_energy`` to the training set's reference energies and scale
     the readout's last layer (energies and forces are linear in it) by the largest
     factor that keeps both the model's force RMS and the spread of its energy per
-    atom within the targets' (on the first ``batch_size`` samples); its bias then
-    centres the network's energy per atom there. Returns the factor applied."""
+    atom within the targets' (on ``batch_size`` samples drawn with a fixed seed);
+    its bias then matches the targets' mean energy per atom beyond the reference
+    energies there. Returns the factor applied."""
     m = unwrap(model)
     p = next(m.parameters())
     e0 = fit_reference_energies(samples, m.config.species)
     m.species_energy.copy_(e0)
-    b = collate(samples[:batch_size], m.config.cutoff, p.dtype, p.device)
+    pick = random.Random(0).sample(range(len(samples)), min(batch_size, len(samples)))
+    b = collate([samples[i] for i in pick], m.config.cutoff, p.dtype, p.device)
     base = torch.zeros_like(b.energy).index_add(
         0, b.atom_system, m.species_energy[m.species_index(b.numbers)]
     )
@@ -191,8 +200,8 @@ def init_scale(model, samples: list[Sample], batch_size: int = 32) -> float:
     last = m.readout[-1]
     last.weight.mul_(scale)
     last.bias.zero_()
-    energy, _, _ = predict(m, b)
-    last.bias.sub_(float((energy - base).sum() / n.sum()))
+    energy, _, _ = predict(m, b)  # the bias: the targets' mean residual per atom
+    last.bias.add_(float(((b.energy - base) - (energy - base)).sum() / n.sum()))
     return scale
 
 
@@ -228,6 +237,7 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
     ema = copy.deepcopy(m).requires_grad_(False)
     n_batches, started = math.ceil(len(train) / cfg.batch_size), time.perf_counter()
     total, step, best, since, history = cfg.epochs * n_batches, 0, math.inf, 0, []
+    best_state = copy.deepcopy(ema.state_dict())
     logf = open(log, "w") if log is not None else None  # noqa: SIM115
     try:
         for epoch in range(cfg.epochs):
@@ -239,6 +249,11 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
                 for g in opt.param_groups:
                     g["lr"] = _lr(step, total, cfg)
                 value, parts = loss(m, b, cfg)
+                if not math.isfinite(float(value.detach())):
+                    raise FloatingPointError(
+                        f"training diverged: the loss of epoch {epoch + 1}, batch "
+                        f"{i + 1} is {float(value.detach())} (try a smaller --lr)"
+                    )
                 opt.zero_grad(set_to_none=True)
                 value.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
@@ -254,8 +269,10 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
                           f"{n_batches} loss {float(value.detach()):.4g}", end="",
                           file=sys.stderr, flush=True)  # fmt: skip
             metrics = evaluate(ema, val, cfg.batch_size)
+            stress_rmse = metrics.get("stress_rmse_meV_A3", 0.0) / 1e3
             val_loss = (cfg.energy_weight * (metrics["energy_rmse_meV_atom"] / 1e3) ** 2
-                        + cfg.force_weight * metrics["force_rmse"] ** 2)  # fmt: skip
+                        + cfg.force_weight * metrics["force_rmse"] ** 2
+                        + cfg.stress_weight * stress_rmse**2)  # fmt: skip
             row = {"epoch": epoch + 1, "lr": _lr(step - 1, total, cfg),
                    "seconds": time.perf_counter() - t0, "train": sums,
                    "val": metrics, "val_loss": val_loss}  # fmt: skip
