@@ -1,5 +1,5 @@
 """Physics checks of a potential, for any ASE calculator (the trained model's
-:class:`~ecekern.ECECalculator` and the GFN1-xTB it learnt from alike).
+:class:`~ecekern.calculator.ECECalculator` and the GFN1-xTB it learnt from alike).
 
 * :func:`equation_of_state`: energies of a crystal scaled isotropically, fitted by
   ASE's Birch-Murnaghan form: the equilibrium volume, lattice constant and bulk

@@ -3,10 +3,11 @@
 
 A sample is one labelled structure (positions, numbers, cell, pbc; energy, forces and,
 where the data has it, stress). Its neighbour list is built once, on the CPU, and kept.
-A batch of B samples is one graph of B disjoint systems: the atoms concatenated, each
-edge's indices offset by its system's first atom, ``cell (B, 3, 3)`` and ``system (E,)``
-naming each edge's cell (:class:`~ecekern.Graph`). The model's energies per atom are
-summed per system; forces and the strain derivative per system come from one backward.
+A batch of B samples is one graph of B disjoint systems: the atoms concatenated,
+each edge's indices offset by its system's first atom, ``cell (B, 3, 3)`` and
+``system (E,)`` naming each edge's cell (:class:`~ecekern.graph.Graph`). The model's
+energies per atom are summed per system; forces and the strain derivative per system
+come from one backward.
 
 Reference energies. The total energies of a DFT or xTB code are dominated by the free
 atoms' energies (GFN1-xTB: about -58 eV per carbon atom). :func:`fit_reference_energies`

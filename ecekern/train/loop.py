@@ -43,7 +43,11 @@ __all__ = ["TrainConfig", "evaluate", "fit", "init_scale", "loss", "predict"]
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What :func:`fit` does (the loss weights of the module docstring)."""
+    """What :func:`fit` does: epochs, batch size, AdamW's learning rate and weight
+    decay, the warm-up steps and the cosine's floor (``min_lr_ratio``), the loss
+    weights of the module docstring, the EMA's decay, the early-stopping patience
+    (epochs), the gradient clipping norm, the shuffling seed, and ``max_seconds``:
+    stop after the epoch that passes this wall time (None: no limit)."""
 
     epochs: int = 100
     batch_size: int = 8
@@ -58,7 +62,6 @@ class TrainConfig:
     patience: int = 20
     clip_norm: float = 10.0
     seed: int = 0
-    #: stop after the epoch that passes this wall time (None: no limit)
     max_seconds: float | None = None
 
     def __post_init__(self):
