@@ -38,8 +38,6 @@ NCU_STALLS = [
     for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
               "math_pipe_throttle", "barrier", "wait", "not_selected", "selected")
 ]  # fmt: skip
-
-
 #: The stack as before chapter 6 (the linears, no cohorts): chapters 1 to 5's steps.
 BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
 
@@ -140,10 +138,8 @@ def ceilings() -> dict:
     except FileNotFoundError:
         return c
     c["copy_GBps"] = max(r["GBps"] for r in rows if r["kernel"] != "gemm")
-    for r in rows:
-        if r["kernel"] == "gemm":
-            c[f"gemm_{r['precision']}"] = r["TFLOPs"]
-    return c
+    return c | {f"gemm_{r['precision']}": r["TFLOPs"] for r in rows
+                if r["kernel"] == "gemm"}  # fmt: skip
 
 
 def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
@@ -168,12 +164,12 @@ def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
         holder = {}
         ours = isinstance(getattr(model, "_orig_mod", model), ECEModel)
 
-        def first():
-            if not ours:  # a peer: its force step under torch.cuda.graph
+        def first():  # a peer's force step under torch.cuda.graph, or a GraphStep
+            if ours:
+                holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
+                holder["step"](pos, graph)
+            else:
                 holder["step"] = graphed_force_step(model, pos, numbers, graph)
-                return
-            holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
-            holder["step"](pos, graph)
 
         sync(pos.device.type)
         t0 = time.perf_counter()

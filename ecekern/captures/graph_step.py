@@ -56,10 +56,8 @@ def _host_and_wall(fn, n: int) -> tuple[float, float]:
 def _audit(run, arg: str) -> dict:
     """audit.csv: every host sync and copy of one force step (module docstring)."""
     out, dev = run.out, run.dev
-    cfg = book_config(dev)
-    inputs = prepare_inputs(
-        systems.diamond(run.reps()[0]), cfg.cutoff, torch.float32, dev
-    )
+    cfg, atoms = book_config(dev), systems.diamond(run.reps()[0])
+    inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
     model = ECEModel(cfg).to(dev)
     rows, info = [], {}
     for label, opts in PATHS.items():

@@ -137,14 +137,13 @@ def _paths(model, inputs) -> str:
     pos = inputs[0]
     plan = m.plan(pos.device, pos.dtype)
     text = plan.describe()
-    if plan.stack == "linears":
-        w = m.interactions[0].gated[0].weight if m.config.n_gated else None
-        if w is not None:
-            n_ang, _, F = w.shape
-            x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
-            p = linear.plan_of(x, w, plan.linear)
-            kernel = p.path + (f"/{p.kernel}" if p.kernel else "")
-            text = text.replace(f"linear={plan.linear}", f"linear={kernel}")
+    if plan.stack == "linears" and m.config.n_gated:
+        w = m.interactions[0].gated[0].weight
+        n_ang, _, F = w.shape
+        x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
+        p = linear.plan_of(x, w, plan.linear)
+        kernel = p.path + (f"/{p.kernel}" if p.kernel else "")
+        text = text.replace(f"linear={plan.linear}", f"linear={kernel}")
     return text
 
 
@@ -276,7 +275,5 @@ def _progress(run, arg: str) -> dict:
 
 
 _ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
-
-
 PARTS = {"progress": _progress, "ncu": _ncu}
 GPU_ONLY = tuple(PARTS)

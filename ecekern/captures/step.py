@@ -2,13 +2,10 @@
 
 Parts (``parts``, comma-separated):
 
-* ``waterfall`` -> waterfall.csv: the replayed step split into its stages
-  (:data:`ecekern.flops.STAGES`, the reference's own passes counted with the stage
-  that folds them, :data:`FOLDED`), before and after chapter 7's stages
-  (:data:`WATERFALL`), per precision of the mixing stack, at 512, 4096 and (the
-  default precision, the recomputing cohorts) 32,768 atoms: per stage its forward
-  and backward kernel time, FLOP, bytes, floor and the ratio, then the rows that
-  close the sum (:func:`waterfall_rows`).
+* ``waterfall`` -> waterfall.csv: the replayed step stage by stage
+  (:func:`waterfall_rows`), before and after chapter 7's stages (:data:`WATERFALL`),
+  per precision of the mixing stack, at 512, 4096 and (the default precision, the
+  recomputing cohorts) 32,768 atoms.
 * ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
   TorchSim, and batches of small systems in TorchSim (:func:`md`).
 * ``precision`` -> precision.csv, nve.csv: the whole step's precisions against
@@ -70,8 +67,10 @@ def floor_ms(cost: dict, precision: str, ceil: dict) -> float:
 
 
 def waterfall_rows(label, precision, model, inputs, dev, ceil, replay_ms) -> list:
-    """The waterfall's rows of one case. Per stage: forward and backward kernel time
-    (two eager steps profiled, :func:`~.stages.profile_stages`), its FLOP and bytes
+    """The waterfall's rows of one case. Per stage of :data:`ecekern.flops.STAGES`
+    (the reference's own passes counted with the stage that folds them,
+    :data:`FOLDED`): forward and backward kernel time (two eager steps profiled,
+    :func:`~.stages.profile_stages`), FLOP and bytes
     (:func:`ecekern.flops.stage_costs`), its floor at our measured ceilings
     (:func:`~.common.ceilings`, :func:`floor_ms`) and the ratio. Then
     ``(outside the stages)`` (the force step's own kernels: the energy's sum,

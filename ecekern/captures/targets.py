@@ -111,9 +111,8 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
     """Chapter 6's fused stacks (:mod:`ecekern.stack_fused`) in its order (strict
     fp32, 3xTF32, TF32, bf16), on one cohort of the library's size, fp32, K = 2,
     the book's widths: the forward, then the force backward, on planes pairs as the
-    model hands them over; with
-    ``recompute``, the forward that writes only y and the backward that makes each
-    tile's z again on chip."""
+    model hands them over; with ``recompute``, the forward that writes only y and
+    the backward that makes each tile's z again on chip."""
     r, (F, FO, n_ang) = _randn(), (192, 96, 3)
     P, *x = planes_pair(r(1), E, F, n_ang)
     P.copy_(r(*P.shape))
