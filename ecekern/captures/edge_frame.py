@@ -43,7 +43,7 @@ def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     """The edge-frame ops' inputs at the model's shapes on ``diamond(rep)``: the real
     graph and edge frames, random features (h, rho, y) and the envelope as w."""
     dev = dev or device()
-    cfg = ECEConfig() if dev == "cuda" else ECEConfig(channels=4)  # small: interpreter
+    cfg = ECEConfig() if dev == "cuda" else ECEConfig(channels=4)  # interpreter: small
     pos, _, graph = prepare_inputs(systems.diamond(rep), cfg.cutoff, dtype, dev)
     r = edge_vectors(pos, graph)
     d = torch.linalg.vector_norm(r, dim=-1)
