@@ -132,8 +132,7 @@ def progress_rows(root: str | os.PathLike | None = None) -> list[dict]:
     from ..config import ECEConfig
     from ..flops import step_flops
 
-    base = Path(root) if root else capture_root()
-    cap = load("01_reference", base / "01_reference")
+    cap = load("01_reference", Path(root) / "01_reference" if root else None)
     cfg = ECEConfig.from_dict(cap.manifest.get("progress_config", {}))
     rows = []
     for r in sorted(cap.csv("progress"), key=progress_order):
@@ -214,17 +213,16 @@ def ncu_kernels(capture: Capture, name: str) -> list[dict]:
     with (capture.path / f"{name}.csv").open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     units, data = rows[0], rows[1:]
-    scale_t = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0,
-               "msecond": 1.0}  # fmt: skip
-    scale_b = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+    to_ms_or_MB = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3,
+                   "ms": 1.0, "msecond": 1.0, "byte": 1e-6, "Kbyte": 1e-3,
+                   "Mbyte": 1.0, "Gbyte": 1e3}  # fmt: skip
 
-    def mb(r, key):
-        return _ncu_float(r[key]) * scale_b.get(units.get(key, "byte"), 1e-6)
+    def mb(r, key, unit="byte"):  # a time (unit "ns") in ms
+        return _ncu_float(r[key]) * to_ms_or_MB.get(units.get(key, unit), 1e-6)
 
     out = []
     for r in data:
-        t_key = "gpu__time_duration.sum"
-        t = _ncu_float(r[t_key]) * scale_t.get(units.get(t_key, "ns"), 1e-6)
+        t = mb(r, "gpu__time_duration.sum", "ns")
         k = {"kernel": r.get("Kernel Name", ""), "time_ms": t}
         for key, short in NCU_COLUMNS.items():
             if key in r and short.endswith("_pct"):
@@ -263,15 +261,14 @@ def chapter_opening(system: str, stages: tuple[str, ...],
             "step_ms": "force step (ms)", "vs_ref": "x vs reference",
             "vs_peer": "x vs fastest peer, same mode"}  # fmt: skip
     table = markdown_table(rows, cols, {"step_ms": "{:.1f}"})
-    base = Path(root) if root else capture_root()
-    st = [r for r in load("01_reference", base / "01_reference").csv("stages")
-          if r["system"] == "reference"]  # fmt: skip
+    if not stages:
+        return table
+    cap = load("01_reference", Path(root) / "01_reference" if root else None)
+    st = [r for r in cap.csv("stages") if r["system"] == "reference"]
     mine = [r for r in st if r["stage"] in stages]
     fwd, bwd, f, b = (sum(r[k] for r in rs) for rs in (st, mine)
                       for k in ("forward_ms", "backward_ms"))  # fmt: skip
-    n = st[0]["n_atoms"] if st else 0
-    if not stages:
-        return table
+    n = st[0]["n_atoms"]
     names = ", ".join(f"`{s}`" for s in stages)
     card = str(st[0].get("device", "")).removeprefix("NVIDIA ").split(" ")[0]
     share = (

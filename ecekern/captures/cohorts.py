@@ -22,41 +22,31 @@ from .common import book_config, ncu_part, option_steps
 __all__ = ["PARTS"]
 
 
-def _label(stack: str, precision: str) -> str:
-    """A case's label: ``"layers <products>"`` or ``"stack <products>"`` (the
-    kernels' names of the products: ``ieee``, ``tf32x3``, ``tf32``, ``bf16``)."""
-    family = "stack" if stack == "fused" else "layers"
-    return f"{family} {kernel_precision(precision)}"
-
-
 #: The stack kernels' cases, (label, options): the layer kernels in the order strict
 #: fp32, TF32, 3xTF32, bf16, then the fused stacks (one kernel per tile of edges)
-#: strict fp32, 3xTF32, TF32, bf16.
+#: strict fp32, 3xTF32, TF32, bf16; labelled ``"layers <products>"`` or ``"stack
+#: <products>"`` (the kernels' names of the products: ``ieee``, ``tf32x3``, ``tf32``,
+#: ``bf16``).
 FUSED = tuple(
-    (_label(stack, p), {"stack": stack, "precision": p})
-    for stack, ps in (("layers", ("fp32", "tf32", "3xtf32", "bf16")),
-                      ("fused", ("fp32", "3xtf32", "tf32", "bf16")))
+    (f"{family} {kernel_precision(p)}", {"stack": stack, "precision": p})
+    for stack, family, ps in (("layers", "layers", ("fp32", "tf32", "3xtf32", "bf16")),
+                              ("fused", "stack", ("fp32", "3xtf32", "tf32", "bf16")))
     for p in ps
 )  # fmt: skip
-#: The layer kernels recomputing z in the backward: (label, options, cohort_edges).
-FUSED_RECOMPUTE = ("layers tf32x3 recompute",
-                   {"stack": "layers", "precision": "3xtf32"}, 16384)  # fmt: skip
-#: The fused stacks whose forward writes only y and whose backward makes each tile's
-#: z again on chip: (label, options).
-STACK_RECOMPUTE = tuple((f"{label} recompute", o) for label, o in FUSED
-                        if o["stack"] == "fused")  # fmt: skip
-
-
-#: (label, options) cases of the ``steps`` part.
+#: (label, options) cases of the ``steps`` part: the plain stack, then in cohorts
+#: the linears, the cases of :data:`FUSED` keeping z, the layer kernels recomputing
+#: z in the backward, and the fused stacks whose forward writes only y and whose
+#: backward makes each tile's z again on chip.
 STEP_CASES = (
     ("plain", {"memory": "plain", "stack": "linears"}),
     ("keep z", {"memory": "keep", "cohort_edges": 8192, "stack": "linears"}),
     ("keep z", {"memory": "keep", "cohort_edges": 65536, "stack": "linears"}),
     ("recompute", {"memory": "recompute", "cohort_edges": 8192, "stack": "linears"}),
     *((label, {"memory": "keep", **o}) for label, o in FUSED),
-    (FUSED_RECOMPUTE[0], {"memory": "recompute", **FUSED_RECOMPUTE[1],
-                          "cohort_edges": FUSED_RECOMPUTE[2]}),
-    *((label, {"memory": "recompute", **o}) for label, o in STACK_RECOMPUTE),
+    ("layers tf32x3 recompute", {"memory": "recompute", "stack": "layers",
+                                 "precision": "3xtf32", "cohort_edges": 16384}),
+    *((f"{label} recompute", {"memory": "recompute", **o}) for label, o in FUSED
+      if o["stack"] == "fused"),
 )  # fmt: skip
 
 
@@ -69,10 +59,7 @@ def _steps(run, arg: str) -> str:
     return option_steps(run, cases, "steps", cfg, modes=schema.MODES)
 
 
-#: Nsight Compute on the layer kernels, forward and force backward, at each
-#: precision (:func:`ecekern.captures.targets.cohorts_layers`), and on the fused
-#: stacks, keeping z and recomputing it (``cohorts_stack``,
-#: ``cohorts_stack_recompute``); ``ncu=layers``, ``stack`` or ``recompute``: one.
+#: The ``ncu`` part (module docstring): programs of :mod:`.targets`.
 _ncu = ncu_part({
     "layers": ("cohorts_layers", ["-k", "regex:_layer"]),
     "stack": ("cohorts_stack", ["-k", "regex:_fused"]),

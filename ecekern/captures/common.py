@@ -15,9 +15,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from .. import bench, options
-from . import NCU_COLUMNS, NCU_COUNTS, schema
+from .. import ECEConfig, ECEModel, bench, options, systems
+from ..graph_step import GraphStep
+from ..model import force_step, prepare_inputs
+from ..peers import graphed_force_step
+from . import NCU_COLUMNS, NCU_COUNTS, load, schema
+from .stages import device_us
 
 __all__ = ["BEFORE_CH6", "compile_model", "device", "for_boxes", "force_row", "free",
            "ncu_part", "option_steps", "profile_table", "profiled", "run_ncu",
@@ -33,8 +38,6 @@ NCU_STALLS = [
     for r in ("long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle",
               "math_pipe_throttle", "barrier", "wait", "not_selected", "selected")
 ]  # fmt: skip
-
-
 #: The stack as before chapter 6 (the linears, no cohorts): chapters 1 to 5's steps.
 BEFORE_CH6 = {"stack": "linears", "memory": "plain"}
 
@@ -70,8 +73,6 @@ def profiled(fn, iters: int, dev: str = "cuda"):
     """``(profile, seconds)``: ``torch.profiler`` (CPU, and CUDA on a GPU) over
     ``iters`` back-to-back calls of ``fn`` after one call outside it, and the wall
     time of those calls until the device is done."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     sync(dev)
     cuda = [ProfilerActivity.CUDA] if dev == "cuda" else []
@@ -88,8 +89,6 @@ def compile_model(model, inputs, dev: str = "cuda"):
     """``(torch.compile(model), seconds)``: compiled afresh (static shapes, as a
     user with one system has) by one force step on ``inputs``, under the current
     options and TF32."""
-    from ..model import force_step
-
     torch._dynamo.reset()
     compiled = torch.compile(model)
     t0 = time.perf_counter()
@@ -118,12 +117,10 @@ def device() -> str:
 def book_config(dev: str, n_gated: int = 1):
     """The book's model (``ECEConfig()``) on a GPU; in Triton's interpreter a small
     one on the nearest neighbours only (the captures' CPU smoke tests)."""
-    import ecekern
-
     if dev == "cuda":
-        return ecekern.ECEConfig()
+        return ECEConfig()
     small = dict(radial_hidden=8, readout_hidden=8, n_gated=n_gated, cutoff=2.0)
-    return ecekern.ECEConfig(channels=4, **small)
+    return ECEConfig(channels=4, **small)
 
 
 def free() -> None:
@@ -135,18 +132,14 @@ def free() -> None:
 
 def ceilings() -> dict:
     """Our measured H200 ceilings from the methodology capture (fallbacks otherwise)."""
-    from . import load
-
     c = dict(bench.CEILINGS_H200)
     try:
         rows = load("methodology").csv("ceilings")
     except FileNotFoundError:
         return c
     c["copy_GBps"] = max(r["GBps"] for r in rows if r["kernel"] != "gemm")
-    for r in rows:
-        if r["kernel"] == "gemm":
-            c[f"gemm_{r['precision']}"] = r["TFLOPs"]
-    return c
+    return c | {f"gemm_{r['precision']}": r["TFLOPs"] for r in rows
+                if r["kernel"] == "gemm"}  # fmt: skip
 
 
 def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
@@ -163,10 +156,6 @@ def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
     to build and capture it) and ours its ``headroom`` and ``capacity`` (edge
     slots). ``more(fn) -> dict``: columns measured on the step ``fn`` after its
     timing."""
-    from ..graph_step import GraphStep
-    from ..model import ECEModel, force_step
-    from ..peers import graphed_force_step
-
     pos, numbers, graph = inputs
     if step is not None and mode == "replay":
         raise ValueError("a replay is of the force step: no other step")
@@ -175,12 +164,12 @@ def force_row(system: str, model, inputs, plan: str = "", mode: str = "eager",
         holder = {}
         ours = isinstance(getattr(model, "_orig_mod", model), ECEModel)
 
-        def first():
-            if not ours:  # a peer: its force step under torch.cuda.graph
+        def first():  # a peer's force step under torch.cuda.graph, or a GraphStep
+            if ours:
+                holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
+                holder["step"](pos, graph)
+            else:
                 holder["step"] = graphed_force_step(model, pos, numbers, graph)
-                return
-            holder["step"] = GraphStep(model, numbers, **(graph_kw or {}))
-            holder["step"](pos, graph)
 
         sync(pos.device.type)
         t0 = time.perf_counter()
@@ -212,14 +201,11 @@ def for_boxes(run, body, cfg=None, reps=None, dev: str = "cuda") -> None:
     ``run.reps()``): a fresh model of ``cfg`` (the book's, ``ECEConfig()``, by
     default) and the box's prepared inputs, in float32 on ``dev``, both dropped and
     the cache freed before the next box."""
-    import ecekern
-    from ecekern.model import prepare_inputs
-
-    cfg = cfg or ecekern.ECEConfig()
+    cfg = cfg or ECEConfig()
     for rep in run.reps() if reps is None else reps:
-        atoms = ecekern.systems.diamond(rep)
+        atoms = systems.diamond(rep)
         inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
-        model = ecekern.ECEModel(cfg).to(device=dev, dtype=torch.float32)
+        model = ECEModel(cfg).to(device=dev, dtype=torch.float32)
         body(rep, model, inputs)
         model = inputs = None
         free()
@@ -280,8 +266,6 @@ def step_error(exc: BaseException, system: str, inputs, plan="", mode="eager") -
 def profile_table(fn, out_dir: Path, stem: str, iters: int = 3) -> None:
     """torch.profiler over ``iters`` calls (:func:`profiled`): a text table and a
     CSV of every op."""
-    from .stages import device_us
-
     ka = profiled(fn, iters)[0].key_averages()
     sort = "self_cuda_time_total"
     (out_dir / f"{stem}_table.txt").write_text(ka.table(sort_by=sort, row_limit=40))

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench
+from .. import ECEConfig, bench, reference, so3, systems
+from .. import edge_frame as ef
+from ..graph import edge_vectors
+from ..model import force_step, prepare_inputs
 from .common import BEFORE_CH6, device, ncu_part, option_steps
 from .stages import stage_rows
 
@@ -30,10 +33,8 @@ NCU_ORDER = ("rotate_fwd dst", "rotate_fwd src", "unrotate_fwd", "unrotate_bwd",
 def notes(run) -> dict:
     """The manifest's notes before any part runs: the library's launch, and the
     order of the kernels in ncu_edge_frame.csv."""
-    from .. import edge_frame
-
     return {
-        "launch": repr(edge_frame.EdgeFrameLaunch()),
+        "launch": repr(ef.EdgeFrameLaunch()),
         "ncu_order": [f"{v} {k}" for v in ("table", "packed") for k in NCU_ORDER],
     }
 
@@ -41,16 +42,9 @@ def notes(run) -> dict:
 def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
     """The edge-frame ops' inputs at the model's shapes on ``diamond(rep)``: the real
     graph and edge frames, random features (h, rho, y) and the envelope as w."""
-    import ecekern
-    from ecekern import reference, so3
-    from ecekern.graph import edge_vectors
-    from ecekern.model import prepare_inputs
-
     dev = dev or device()
-    cfg = ecekern.ECEConfig()
-    if dev != "cuda":  # the interpreter: a small model
-        cfg = ecekern.ECEConfig(channels=4)
-    pos, _, graph = prepare_inputs(ecekern.systems.diamond(rep), cfg.cutoff, dtype, dev)
+    cfg = ECEConfig() if dev == "cuda" else ECEConfig(channels=4)  # interpreter: small
+    pos, _, graph = prepare_inputs(systems.diamond(rep), cfg.cutoff, dtype, dev)
     r = edge_vectors(pos, graph)
     d = torch.linalg.vector_norm(r, dim=-1)
     L, M, C, E, N = cfg.lmax, cfg.M, cfg.channels, graph.n_edges, pos.shape[0]
@@ -67,18 +61,14 @@ def step_tensors(rep: int, dtype=torch.float32, dev: str | None = None) -> dict:
 
 
 def _frames(t: dict, variant: str, launch=None):
-    from .. import edge_frame
-
     g = t["graph"]
     kw = {"launch": launch} if launch is not None else {}
-    return edge_frame.Frames(t["D"], t["M"], g.src, g.dst, t["N"], g.row_ptr,
+    return ef.Frames(t["D"], t["M"], g.src, g.dst, t["N"], g.row_ptr,
                              variant, **kw)  # fmt: skip
 
 
 def _ops(fr, t: dict):
     """The four launchers of one Frames object, each a no-argument callable."""
-    from .. import edge_frame as ef
-
     D = (fr.d, fr.tab)
     rot = (t["h"], *D, t["rho"], fr.csr, fr.L, fr.M, fr.packed, fr.launch)
     y, rp = (t["y_cos"], t["y_sin"]), t["graph"].row_ptr
@@ -98,16 +88,14 @@ def _ops(fr, t: dict):
 
 #: The options of the steps: chapters 2 and 5 on, the edge frame switched.
 STEP_OPTIONS = {
-    ef: {"linear": "auto", "zonal": "fused", "edge_frame": ef, **BEFORE_CH6}
-    for ef in ("reference", "table", "packed")
+    v: {"linear": "auto", "zonal": "fused", "edge_frame": v, **BEFORE_CH6}
+    for v in ("reference", "table", "packed")
 }
 
 
 def _steps(run, arg: str) -> str:
     """steps.csv (step schema) and stages.csv (chapters 2 and 5 on; the edge frame
     switched): time, peak memory, and at the largest box the time by stage."""
-    from ecekern.model import force_step
-
     rows: list[dict] = []
 
     def stages(rep, model, inputs, row, kw):

@@ -20,7 +20,9 @@ import time
 
 import torch
 
-from .. import bench, options
+from .. import ECEModel, bench, options, systems
+from ..host_sync import HostSyncAudit
+from ..model import force_step, prepare_inputs
 from . import schema
 from .common import book_config, for_boxes, force_row, free, profiled
 
@@ -53,16 +55,10 @@ def _host_and_wall(fn, n: int) -> tuple[float, float]:
 
 def _audit(run, arg: str) -> dict:
     """audit.csv: every host sync and copy of one force step (module docstring)."""
-    import ecekern
-    from ecekern.host_sync import HostSyncAudit
-    from ecekern.model import force_step, prepare_inputs
-
     out, dev = run.out, run.dev
-    cfg = book_config(dev)
-    inputs = prepare_inputs(
-        ecekern.systems.diamond(run.reps()[0]), cfg.cutoff, torch.float32, dev
-    )
-    model = ecekern.ECEModel(cfg).to(dev)
+    cfg, atoms = book_config(dev), systems.diamond(run.reps()[0])
+    inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, dev)
+    model = ECEModel(cfg).to(dev)
     rows, info = [], {}
     for label, opts in PATHS.items():
         if dev != "cuda" and label == "defaults":
@@ -143,8 +139,6 @@ def _step_row(model, inputs, label: str, mode: str, headroom) -> dict:
 
 def _steps(run, arg: str) -> str:
     """steps.csv: eager against replay, under the defaults and the reference."""
-    from ecekern.model import force_step
-
     rows: list[dict] = []
 
     def body(rep, model, inputs):

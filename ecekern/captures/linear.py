@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import itertools
 
+from ..linear import plan
+from ..model import force_step
 from .common import BEFORE_CH6, option_steps, profile_table
 
 __all__ = ["PARTS", "PATHS_MEASURED"]
@@ -19,8 +21,6 @@ PATHS_MEASURED = ("einsum", "dense", "triton")
 
 def notes(run) -> dict:
     """The manifest's notes before any part runs: the library's launch table."""
-    from ..linear import plan
-
     return {"library_launch": {k: repr(v) for k, v in plan.LAUNCH.items()}}
 
 
@@ -37,8 +37,6 @@ def _model_steps(run, arg: str) -> str:
     EquivariantLinear path (``steps=dense;einsum``: some), strict fp32 and TF32:
     time, peak memory, and from a profile of each the calls per step of the ops the
     einsum path brings (copies, bmm) and the GEMMs of the dense path."""
-    from ecekern.model import force_step
-
     paths = arg.split(";") if arg else PATHS_MEASURED
     cases = [(path, STEP_OPTIONS[path], {"tf32": tf32})
              for tf32, path in itertools.product((False, True), paths)]  # fmt: skip

@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, options
+from .. import ECEConfig, bench, linear, options
 from ..flops import counted_flops, step_flops
+from ..model import force_step, unwrap
+from ..peers import CueqConvModel, E3nnConvModel
 from . import common, progress_order, schema
 from .common import compile_model, for_boxes, force_row, free, step_error, switched
 from .schema import MODES
@@ -60,20 +62,13 @@ CH6_STACKS = (
     ("+ ch6 bf16 stack", dict(stack="layers", precision="bf16")),
     ("+ ch6 fused bf16 stack", dict(stack="fused", precision="bf16")),
 )
-
-
-def _cumulative(switches) -> dict:
-    """``{label: options}``, each row's options the union of its chapter's switches
-    and every earlier chapter's (a later switch overrides an earlier one)."""
-    rows, now = {}, {}
-    for label, switch in switches:
-        now = {**now, **switch}
-        rows[label] = dict(now)
-    return rows
-
-
-#: Our rows: label -> the options they run under (``{}``: the library's defaults).
-_CHAPTERS = _cumulative(CHAPTER_SWITCHES)
+#: Our rows: label -> the options they run under (``{}``: the library's defaults);
+#: a chapter's row runs under the union of its switches and every earlier chapter's
+#: (a later switch overrides an earlier one).
+_CHAPTERS = dict(zip(
+    (label for label, _ in CHAPTER_SWITCHES),
+    itertools.accumulate((s for _, s in CHAPTER_SWITCHES), lambda a, b: {**a, **b}),
+))  # fmt: skip
 OURS = {
     "reference": {"reference": True},
     **_CHAPTERS,
@@ -96,12 +91,6 @@ COMPILED = {
 BUDGET_S = 330.0
 
 
-def _e3nn(cfg, dev: str):
-    from ..peers import E3nnConvModel
-
-    return E3nnConvModel(cfg)
-
-
 def _cueq(cfg, dev: str):
     """cuEquivariance's convolution; on CUDA only with its CUDA kernels: without
     ``cuequivariance_ops_torch`` cuet falls back to its naive PyTorch path, which is
@@ -115,14 +104,12 @@ def _cueq(cfg, dev: str):
             raise ImportError(
                 f"cuequivariance_ops_torch (its CUDA kernels) does not load: {exc!r}"
             ) from exc
-    from ..peers import CueqConvModel
-
     return CueqConvModel(cfg)
 
 
 #: The peers of the same width and degree, by their row label (built lazily: each
 #: needs its own package).
-PEERS = {"e3nn TP conv (NequIP-style)": _e3nn,
+PEERS = {"e3nn TP conv (NequIP-style)": lambda cfg, dev: E3nnConvModel(cfg),
          "cuEquivariance TP conv (NequIP-style)": _cueq}  # fmt: skip
 
 
@@ -143,9 +130,6 @@ def _paths(model, inputs) -> str:
     """The step plan of this model's step under the current options
     (:meth:`~ecekern.plan.StepPlan.describe`), with the EquivariantLinears' kernel
     where the stack runs them; ``""`` for a peer."""
-    from .. import linear
-    from ..model import unwrap
-
     try:
         m = unwrap(model)
     except TypeError:
@@ -153,14 +137,13 @@ def _paths(model, inputs) -> str:
     pos = inputs[0]
     plan = m.plan(pos.device, pos.dtype)
     text = plan.describe()
-    if plan.stack == "linears":
-        w = m.interactions[0].gated[0].weight if m.config.n_gated else None
-        if w is not None:
-            n_ang, _, F = w.shape
-            x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
-            p = linear.plan_of(x, w, plan.linear)
-            kernel = p.path + (f"/{p.kernel}" if p.kernel else "")
-            text = text.replace(f"linear={plan.linear}", f"linear={kernel}")
+    if plan.stack == "linears" and m.config.n_gated:
+        w = m.interactions[0].gated[0].weight
+        n_ang, _, F = w.shape
+        x = torch.empty(1, F, n_ang, device=pos.device, dtype=pos.dtype)
+        p = linear.plan_of(x, w, plan.linear)
+        kernel = p.path + (f"/{p.kernel}" if p.kernel else "")
+        text = text.replace(f"linear={plan.linear}", f"linear={kernel}")
     return text
 
 
@@ -179,8 +162,6 @@ def _row(add, label, model, inputs, rep_ms, info, plan="", mode="eager", **extra
 
 def _peer_flop(peers, inputs, info) -> dict:
     """``{label: (flop, flop_source)}`` of each peer (module docstring)."""
-    from ..model import force_step
-
     out = {}
     for label, peer in peers:
         e3nn = [v for k, v in out.items() if k.startswith("e3nn")]
@@ -203,9 +184,6 @@ def capture(out: Path, boxes: list[int], budget_s: float | None = None,
     notes: what failed or was skipped, and the options of the defaults rows.
     ``config``: the model's ``ECEConfig`` (the book's by default). ``dev="cpu"`` is a
     smoke test (the tests': a tiny model and box, no compiles with ``budget_s=0``)."""
-    import ecekern
-    from ecekern.model import force_step
-
     t_start = time.time()
     budget = budget_s if budget_s is not None else BUDGET_S
     info: dict = {"progress_budget_s": budget}
@@ -217,7 +195,7 @@ def capture(out: Path, boxes: list[int], budget_s: float | None = None,
         rows.sort(key=progress_order)
         schema.write(rows, out / "progress.csv")
 
-    cfg = config if config is not None else ecekern.ECEConfig()
+    cfg = config if config is not None else ECEConfig()
     info["progress_config"] = cfg.to_dict()
     defaults = options.current()
     if defaults != options.Options():
@@ -297,7 +275,5 @@ def _progress(run, arg: str) -> dict:
 
 
 _ncu = common.ncu_part({"force_step": ("force_step", None)}, timeout=180)
-
-
 PARTS = {"progress": _progress, "ncu": _ncu}
 GPU_ONLY = tuple(PARTS)

@@ -186,14 +186,12 @@ def _capture(name: str, d: Path, args, command: str) -> str:
         traceback.print_exc()
         info, status = {}, "failed"
     manifest = {
-        "chapter": name,
-        "status": status,
-        "quick": args.quick,
+        "chapter": name, "status": status, "quick": args.quick,
         "seconds": round(time.time() - t0, 1),
         "provenance": provenance(command=command),
         "files": sorted(p.name for p in d.iterdir() if p.name != "manifest.json"),
         **info,
-    }
+    }  # fmt: skip
     if args.parts:
         manifest = merge_part_run(d / "manifest.json", manifest, args.parts)
     (d / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -19,9 +19,8 @@ A step row (:data:`STEP_COLUMNS`) is one step of the model on one system:
 
 A kernel row (:data:`KERNEL_COLUMNS`) is one kernel or op on one problem: ``kernel``,
 ``problem`` (its shape, as words), ``n`` (its size: elements, edges, rows),
-``precision``, ``ms``,
-``p10``, ``p90``, ``bytes`` and ``flops`` (what it must move and compute), ``GBps``
-and ``TFLOPs`` (those over the median), ``provenance``.
+``precision``, ``ms``, ``p10``, ``p90``, ``bytes`` and ``flops`` (what it must move
+and compute), ``GBps`` and ``TFLOPs`` (those over the median), ``provenance``.
 
 A chapter's own descriptive columns (``variant``, ``kind``, ``forward_ms``, an
 ``error``) go between the schema's and ``provenance``. A row that failed has its

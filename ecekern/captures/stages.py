@@ -95,9 +95,9 @@ def stage_times(events: Iterable, time_us: Callable = device_us,
             seq = next(
                 (c.sequence_nr for c in e.cpu_children if c.sequence_nr >= 0), -1
             )
-        thread = getattr(e, "fwd_thread", None)
-        if not thread:
-            thread = next((c.fwd_thread for c in e.cpu_children if c.fwd_thread), 0)
+        thread = getattr(e, "fwd_thread", None) or next(
+            (c.fwd_thread for c in e.cpu_children if c.fwd_thread), 0
+        )
         stage = made_by.get((thread, seq), (0.0, None))[1]
         if stage is None:  # no forward thread recorded: match the number alone
             stage = next((s for (t, n), (_, s) in made_by.items() if n == seq), OUTSIDE)

@@ -2,13 +2,10 @@
 
 Parts (``parts``, comma-separated):
 
-* ``waterfall`` -> waterfall.csv: the replayed step split into its stages
-  (:data:`ecekern.flops.STAGES`, the reference's own passes counted with the stage
-  that folds them, :data:`FOLDED`), before and after chapter 7's stages
-  (:data:`WATERFALL`), per precision of the mixing stack, at 512, 4096 and (the
-  default precision, the recomputing cohorts) 32,768 atoms: per stage its forward
-  and backward kernel time, FLOP, bytes, floor and the ratio, then the rows that
-  close the sum (:func:`waterfall_rows`).
+* ``waterfall`` -> waterfall.csv: the replayed step stage by stage
+  (:func:`waterfall_rows`), before and after chapter 7's stages (:data:`WATERFALL`),
+  per precision of the mixing stack, at 512, 4096 and (the default precision, the
+  recomputing cohorts) 32,768 atoms.
 * ``md`` -> md.csv: MD throughput and energy drift, ASE (eager and replayed) and
   TorchSim, and batches of small systems in TorchSim (:func:`md`).
 * ``precision`` -> precision.csv, nve.csv: the whole step's precisions against
@@ -22,12 +19,22 @@ Parts (``parts``, comma-separated):
 
 from __future__ import annotations
 
+import copy
+import os
 import time
 
+import numpy as np
 import torch
+from ase import units
+from ase.calculators.calculator import Calculator, all_changes
+from ase.calculators.mixing import SumCalculator
+from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, thermalize_momenta
+from ase.md.verlet import VelocityVerlet
 
-from .. import bench, options
+from .. import ECEModel, bench, energy_and_forces, options, systems
+from ..calculator import ECECalculator
 from ..flops import STAGES, stage_costs
+from ..model import force_step, prepare_inputs
 from . import common
 from .stages import OUTSIDE, profile_stages
 
@@ -60,8 +67,10 @@ def floor_ms(cost: dict, precision: str, ceil: dict) -> float:
 
 
 def waterfall_rows(label, precision, model, inputs, dev, ceil, replay_ms) -> list:
-    """The waterfall's rows of one case. Per stage: forward and backward kernel time
-    (two eager steps profiled, :func:`~.stages.profile_stages`), its FLOP and bytes
+    """The waterfall's rows of one case. Per stage of :data:`ecekern.flops.STAGES`
+    (the reference's own passes counted with the stage that folds them,
+    :data:`FOLDED`): forward and backward kernel time (two eager steps profiled,
+    :func:`~.stages.profile_stages`), FLOP and bytes
     (:func:`ecekern.flops.stage_costs`), its floor at our measured ceilings
     (:func:`~.common.ceilings`, :func:`floor_ms`) and the ratio. Then
     ``(outside the stages)`` (the force step's own kernels: the energy's sum,
@@ -69,8 +78,6 @@ def waterfall_rows(label, precision, model, inputs, dev, ceil, replay_ms) -> lis
     kernel's (the gaps between the graph's kernels and the replay's spare edge
     slots; negative where the two steps differ more, as with the recomputing
     cohorts); :data:`STEP`, the replayed step itself."""
-    from ..model import force_step
-
     pos, numbers, graph = inputs
     n, E = pos.shape[0], graph.n_edges
     times = profile_stages(lambda: force_step(model, pos, numbers, graph), dev)
@@ -166,18 +173,11 @@ def md(run, arg: str = "", cfg=None) -> str:
     state. Per case: ms per MD step, steps per second, ns/day, atom-steps per second
     and the total energy's drift (meV/atom/ps) over the timed steps; a case out of
     memory, or whose atoms met, is a row with its error."""
-    import numpy as np
-    from ase import units
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
-    from ase.md.verlet import VelocityVerlet
-
-    import ecekern
-
     rows: list[dict] = []
     cfg, cuda = cfg or common.book_config(run.dev), run.dev == "cuda"
     seconds = 2.0 if cuda else 0.0
     prov = bench.provenance(torch.float32)
-    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
+    model = ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
 
     def add(host, n_systems, atoms_each, case):
         row = dict(host=host, n_systems=n_systems, n_atoms=atoms_each)
@@ -192,10 +192,10 @@ def md(run, arg: str = "", cfg=None) -> str:
         common.free()
 
     def ase(rep, graph_step):
-        atoms = ecekern.systems.diamond(rep, seed=1)
+        atoms = systems.diamond(rep, seed=1)
         MaxwellBoltzmannDistribution(atoms, temperature_K=300,
                                      rng=np.random.default_rng(0))  # fmt: skip
-        atoms.calc = ecekern.ECECalculator(model, graph_step=graph_step)
+        atoms.calc = ECECalculator(model, graph_step=graph_step)
         dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
         return _md_case(dyn.run, atoms.get_total_energy, len(atoms), run.dev, seconds)
 
@@ -216,11 +216,9 @@ def _torchsim_case(model, reps, dev, seconds) -> dict:
     """:func:`_md_case` of TorchSim's NVE over one state of diamond boxes."""
     import torch_sim as ts
 
-    import ecekern
-
     from ..torchsim import ECETorchSimModel
 
-    boxes = [ecekern.systems.diamond(r, seed=1 + i) for i, r in enumerate(reps)]
+    boxes = [systems.diamond(r, seed=1 + i) for i, r in enumerate(reps)]
     state = ts.io.atoms_to_state(boxes, torch.device(dev), torch.float32)
     sim = ECETorchSimModel(model, compute_stress=False)
     u = ts.units.MetalUnits
@@ -263,11 +261,6 @@ def _tethered(model, anchor):
     """The model's ASE calculator (replayed on CUDA) plus ``sum_i TETHER |x_i -
     anchor_i|^2 / 2`` in float64: exact and conservative, so any drift is the
     model's."""
-    import numpy as np
-    from ase.calculators.calculator import Calculator, all_changes
-    from ase.calculators.mixing import SumCalculator
-
-    from ..calculator import ECECalculator
 
     class Tether(Calculator):
         implemented_properties = ["energy", "free_energy", "forces"]
@@ -286,10 +279,6 @@ def _nve_drift(atoms, length: float) -> dict:
     """Velocity Verlet at :data:`NVE_DT_FS` for ``length`` fs from ``atoms`` (their
     calculator and momenta set): the total energy's drift per atom (a linear fit,
     meV/atom/ps) and its largest deviation (meV/atom), sampled every 5 steps."""
-    import numpy as np
-    from ase import units
-    from ase.md.verlet import VelocityVerlet
-
     e0, t_fs, es = atoms.get_total_energy(), [], []
     dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
 
@@ -311,31 +300,24 @@ def precision(run, arg: str = "", cfg=None) -> str:
     same weights at 512 atoms (force errors relative to the force RMS, energy per
     atom), and the total energy's drift in NVE (1 fs, 1 ps from 300 K, tethered,
     ASE's Velocity Verlet through the replayed calculator, :func:`_nve_drift`)."""
-    import copy
-
-    import numpy as np
-    from ase.md.velocitydistribution import thermalize_momenta
-
-    import ecekern
-
     cuda = run.dev == "cuda"
     cfg = cfg or common.book_config(run.dev)
     rep, length = (4, NVE_FS) if cuda else (1, 5 * NVE_DT_FS)
     torch.manual_seed(0)
-    m64 = ecekern.ECEModel(cfg).double().to(run.dev)
+    m64 = ECEModel(cfg).double().to(run.dev)
     m32 = copy.deepcopy(m64).float()
     cases = [("fp64", m64, False, {})]
     for label, tf32, opts in STEP_PRECISIONS if cuda else STEP_PRECISIONS[:1]:
         cases.append((label, m32, tf32, {**WATERFALL["after"], **opts}))
     rows, nve = [], []
     for rattle in RATTLES:
-        atoms = ecekern.systems.diamond(rep, rattle=rattle, seed=0)
+        atoms = systems.diamond(rep, rattle=rattle, seed=0)
         e_ref, f_ref = (t.detach().cpu().double()
-                        for t in ecekern.energy_and_forces(m64, atoms))  # fmt: skip
+                        for t in energy_and_forces(m64, atoms))  # fmt: skip
         f_rms = f_ref.square().mean().sqrt().item()
         for label, model, tf32, opts in cases[1:]:
             with common.switched(opts, tf32):
-                got = ecekern.energy_and_forces(model, atoms)
+                got = energy_and_forces(model, atoms)
             e, f = (t.detach().cpu().double() for t in got)
             d = (f - f_ref).norm(dim=1)
             rows.append(dict(precision=label, rattle_A=rattle, n_atoms=len(atoms),
@@ -346,7 +328,7 @@ def precision(run, arg: str = "", cfg=None) -> str:
                              **bench.provenance(torch.float32)))  # fmt: skip
             bench.write_csv(rows, run.out / "precision.csv")
     for label, model, tf32, opts in cases:
-        atoms = ecekern.systems.diamond(rep, rattle=RATTLES[0], seed=0)
+        atoms = systems.diamond(rep, rattle=RATTLES[0], seed=0)
         thermalize_momenta(atoms, NVE_K, rng=np.random.default_rng(0))
         atoms.calc = _tethered(model, atoms.positions.copy())
         try:
@@ -375,19 +357,14 @@ def scale(run, arg: str = "", cfg=None) -> str:
     row says so): time, time per atom-step and peak memory. The allocator's setting
     (``PYTORCH_CUDA_ALLOC_CONF``, e.g. ``expandable_segments:True``, read when CUDA
     starts) is each row's ``alloc_conf``."""
-    import os
-
-    import ecekern
-    from ecekern.model import prepare_inputs
-
     cfg = cfg or common.book_config(run.dev)
     reps = SCALE_REPS if run.dev == "cuda" and not run.quick else (1,)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     rows: list[dict] = []
-    model = ecekern.ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
+    model = ECEModel(cfg).to(device=run.dev, dtype=torch.float32)
     for memory in SCALE_MEMORY:
         for rep in reps:
-            atoms = ecekern.systems.diamond(rep)
+            atoms = systems.diamond(rep)
             opts = {**WATERFALL["after"], "memory": memory}
             try:
                 inputs = prepare_inputs(atoms, cfg.cutoff, torch.float32, run.dev)

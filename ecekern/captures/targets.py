@@ -11,6 +11,12 @@ import sys
 
 import torch
 
+from .. import ECEModel, options, stack_fused, stack_layers, systems
+from .._planes import planes_pair
+from ..model import force_step as step
+from ..model import prepare_inputs
+from .edge_frame import _frames, _ops, step_tensors
+
 
 def _in_range(fn, warmup: int = 2):
     for _ in range(warmup):
@@ -38,13 +44,8 @@ def gemm():
 def force_step(repeats: int = 4, **opts):
     """The force step on ``diamond(repeats)`` in float32 under the options ``opts``
     (default: the reference, strict fp32: chapter 1)."""
-    import ecekern
-    from ecekern import options
-    from ecekern.model import force_step as step
-    from ecekern.model import prepare_inputs
-
-    model = ecekern.ECEModel().to(device="cuda", dtype=torch.float32)
-    atoms = ecekern.systems.diamond(repeats)
+    model = ECEModel().to(device="cuda", dtype=torch.float32)
+    atoms = systems.diamond(repeats)
     inputs = prepare_inputs(atoms, model.config.cutoff, torch.float32, "cuda")
     with options.use(**(opts or {"reference": True})):
         _in_range(lambda: step(model, *inputs))
@@ -54,8 +55,6 @@ def edge_frame(rep: int = 8):
     """Chapter 3's kernels at 365k edges, fp32: for the table variant, then the
     packed one, the rotation (two sides), the unrotation forward and backward, the
     rotation's backward (two sides): ``captures.edge_frame.NCU_ORDER``."""
-    from ecekern.captures.edge_frame import _frames, _ops, step_tensors
-
     t = step_tensors(rep, dev="cuda")
     runs = [_ops(_frames(t, variant), t) for variant in ("table", "packed")]
     order = ("rotate_fwd", "unrotate_fwd", "unrotate_bwd", "rotate_bwd")
@@ -101,8 +100,6 @@ def cohorts_layers(E: int = 65_536, F: int = 192, FO: int = 96, n_ang: int = 3):
     """Chapter 6's layer kernels (K = 2) on one cohort of the library's size, fp32:
     the forward, then the force backward, at each precision, the library's tiles,
     skipping the m = 0 sin part as the model does (``sin0_zero``)."""
-    from ecekern import stack_layers
-
     r = _randn()
     x = [r(E, F, n_ang) for _ in range(2)]
     gy = [r(E, FO, n_ang) for _ in range(2)]
@@ -114,12 +111,8 @@ def cohorts_stack(E: int = 65_536, recompute: bool = False):
     """Chapter 6's fused stacks (:mod:`ecekern.stack_fused`) in its order (strict
     fp32, 3xTF32, TF32, bf16), on one cohort of the library's size, fp32, K = 2,
     the book's widths: the forward, then the force backward, on planes pairs as the
-    model hands them over; with
-    ``recompute``, the forward that writes only y and the backward that makes each
-    tile's z again on chip."""
-    from ecekern import stack_fused
-    from ecekern._planes import planes_pair
-
+    model hands them over; with ``recompute``, the forward that writes only y and
+    the backward that makes each tile's z again on chip."""
     r, (F, FO, n_ang) = _randn(), (192, 96, 3)
     P, *x = planes_pair(r(1), E, F, n_ang)
     P.copy_(r(*P.shape))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import zonal
+from ..graph import csr_row_ptr
+from ..model import force_step
 from .common import BEFORE_CH6, option_steps, profile_table
 
 __all__ = ["PARTS", "launch_label", "random_scatter"]
@@ -24,8 +27,6 @@ def launch_label(launch) -> str:
 
 def notes(run) -> dict:
     """The manifest's notes before any part runs: the library's launch."""
-    from .. import zonal
-
     return {"config": launch_label(zonal.ZonalLaunch())}
 
 
@@ -34,8 +35,6 @@ def random_scatter(E: int, L: int, C: int, dev: str, seed: int):
     in-degree), float64: ``(N, dst, row_ptr, Z, R, G)``, ``dst`` sorted with its CSR
     ``row_ptr``, ``Z`` ``(E, S - 1)`` and ``R`` ``(E, L, C)`` the edges' inputs and
     ``G`` ``(N, S, C)`` an output's gradient (S = (L + 1)^2)."""
-    from ..graph import csr_row_ptr
-
     N, S = max(1, E // 89), (L + 1) ** 2
     g = torch.Generator(device=dev).manual_seed(seed)
     dst = torch.sort(torch.randint(0, N, (E,), device=dev, generator=g)).values
@@ -54,8 +53,6 @@ STEP_OPTIONS = {
 
 def _train(model, pos, numbers, graph):
     """A force-training step: the loss of the energy and the forces, backward."""
-    from ecekern.model import force_step
-
     model.zero_grad(set_to_none=True)
     e, f = force_step(model, pos, numbers, graph, create_graph=True)
     (e**2 + (f**2).sum()).backward()
@@ -65,9 +62,6 @@ def _model_steps(run, arg: str) -> str:
     """model_steps.csv (step schema, ``kind``: force or training step): the reference
     scatter against the fused op, strict fp32: time, peak memory, and a profiler
     table of each at the larger box."""
-    from ecekern import zonal
-    from ecekern.model import force_step
-
     label, reps = launch_label(zonal.ZonalLaunch()), run.reps(quick=(2,))
     steps = (("force step", force_step), ("training step", _train))
     cases = [(s, opts, {"step": fn, "kind": kind,
