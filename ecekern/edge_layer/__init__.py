@@ -59,8 +59,9 @@ __all__ = ["PRECISIONS", "edge_layer", "edge_layer_torch", "why_not"]
 PRECISIONS = {"fp32": "ieee", "3xtf32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
 #: Edges a tile (a power of two, >= 16 for ``tl.dot``).
 BLOCK_E = 16
-#: Programs a GPU launch runs at most (persistent over the tiles).
-MAX_PROGRAMS = 264
+#: Programs a GPU launch runs at most (persistent over the tiles): one per SM of an
+#: H100 or H200.
+MAX_PROGRAMS = 132
 #: Output and inner blocks of the stack's products at most, and warps a program: at
 #: 32 x 32 and 8 warps the sm_90 build of the forward keeps 173 registers a thread
 #: without spilling, the backward 255 with 520 B of spills (64 x 64 at 4 warps:

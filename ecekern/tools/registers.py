@@ -11,6 +11,7 @@ tile that is too large into a slow kernel.
     python -m ecekern.tools.registers --linear-layouts   # chapter 2's tile layouts
     python -m ecekern.tools.registers --linear-fp32 [CSV]  # chapter 2's FMA kernels
     python -m ecekern.tools.registers --linear-tc   # the tensor-core kernel
+    python -m ecekern.tools.registers --edge-layer [CSV]  # chapter 8's two kernels
 
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
 kernels with Python functions that cannot be compiled).
@@ -18,6 +19,7 @@ kernels with Python functions that cannot be compiled).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -508,6 +510,34 @@ def linear_tc(
     return rows
 
 
+def edge_layer_table(blocks=((64, 4), (32, 8))) -> list[dict]:
+    """Chapter 8's forward and backward kernels at the book's widths (L = M = 2,
+    C = 32, K = 2, fp32) in each precision: ``(block, warps)`` the stack products'
+    output and inner block and the warps a program."""
+    from triton.language import float32
+
+    from ..edge_layer import BLOCK_E
+    from ..edge_layer import kernels as K
+
+    ints = ("E", "n_tiles", "C", "s_re", "s_rf", "s_de", "s_df")
+    rows = []
+    for (block, warps), prec, (name, k) in itertools.product(
+        blocks, ("ieee", "tf32x3", "tf32", "bf16"),
+        (("forward", K._edge_layer_fwd_kernel), ("backward", K._edge_layer_bwd_kernel)),
+    ):  # fmt: skip
+        types = {n: "*i64" if n in ("src", "dst") else "fp32" if n == "scale"
+                 else "*fp32" for n in k.arg_names if n not in ints}  # fmt: skip
+        const = dict(L=2, NA=3, F=192, FO=96, K=2, HAS_BG=True, HAS_BO=True,
+                     BE=BLOCK_E, BN=block, BK=block, BNO=32, CP=32, DT=float32,
+                     PREC=prec)  # fmt: skip
+        if name == "backward":
+            const |= {"BKO": 32, "C2": 64}
+        use = resource_usage(k, types, const, warps)
+        rows.append({"kernel": name, "precision": prec, "block": block,
+                     "warps": warps} | use)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     if not available():
         print("needs Triton with its NVIDIA tools (Linux wheels)")
@@ -518,6 +548,18 @@ def main() -> int:
     if sys.argv[1:2] == ["--linear-fp32"]:
         rows = linear_fp32()
         if len(sys.argv) > 2:  # a CSV for the book, each row with its provenance
+            from .. import bench
+
+            prov = bench.provenance(
+                command=" ".join(["python -m", __spec__.name, *sys.argv[1:]])
+            )
+            prov["device"] = "none (offline sm_90 build)"
+            bench.write_csv([r | prov for r in rows], sys.argv[2])
+        print(json.dumps(rows))
+        return 0
+    if sys.argv[1:2] == ["--edge-layer"]:
+        rows = edge_layer_table()
+        if len(sys.argv) > 2:
             from .. import bench
 
             prov = bench.provenance(

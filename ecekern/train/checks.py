@@ -11,9 +11,10 @@
 * :func:`rdf`: the radial distribution function g(r) of periodic frames.
 
 ``python -m ecekern.train.checks OUT.json [--quick]`` writes GFN1-xTB's side of the
-training appendix's checks (tblite, on the CPU, minutes): diamond's equation of state
-(the 64-atom cubic cell) and its Gamma-point frequencies at xTB's lattice constant
-(that 2 x 2 x 2 supercell: the crystal's phonons at Gamma, X and L), with provenance.
+training appendix's checks (tblite, on the CPU, minutes; shipped as
+``ecekern/data/carbon_gfn1_checks.json``): diamond's equation of state (the 64-atom
+cubic cell) and its Gamma-point frequencies at xTB's lattice constant (that 2 x 2 x 2
+supercell: the crystal's phonons at Gamma, X and L), with provenance.
 
 Status: CPU and CUDA (the calculator's device); numpy results.
 """
