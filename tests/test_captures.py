@@ -650,6 +650,7 @@ def test_the_scale_part_grows_the_box_per_memory_strategy(tmp_path):
         assert r["mode"] == "replay" and "alloc_conf" in r
 
 
+@pytest.mark.slow  # two model steps in the interpreter: half a minute
 @pytest.mark.skipif(not INTERPRET, reason="CPU smoke test")
 def test_the_edge_layer_steps_part_compares_the_two_plans(tmp_path):
     """Chapter 8's steps part (a smoke run in the interpreter): the layer kernels'

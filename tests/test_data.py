@@ -81,6 +81,7 @@ def test_amorphous_packings_without_quench():
     assert np.ptp(densities) > 0.5  # the family spans densities
 
 
+@pytest.mark.slow  # xTB MD in the test: a quarter of a minute
 def test_liquid_trajectory_frames():
     pytest.importorskip("tblite")
     failures = []
@@ -124,6 +125,7 @@ def test_label_drops_failed_scf():
     assert carbon.label(atoms, calc_factory=starved) is None
 
 
+@pytest.mark.slow  # a small generation labelled with xTB: half a minute
 def test_tiny_run_writes_readable_labelled_file(tmp_path):
     pytest.importorskip("tblite")
     families = ("diamond", "amorphous")

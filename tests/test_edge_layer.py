@@ -137,7 +137,7 @@ SLOW = pytest.mark.slow  # each a quarter of a minute in the interpreter
 
 
 @pytest.mark.parametrize("name", [
-    "L2", "atom-over-three-tiles", "one-edge", "no-edges",
+    "L2", "one-edge", "no-edges", pytest.param("atom-over-three-tiles", marks=SLOW),
     pytest.param("L1", marks=SLOW), pytest.param("L2-M1", marks=SLOW),
     pytest.param("K1-no-bias", marks=SLOW),
 ])  # fmt: skip
