@@ -192,6 +192,30 @@ def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale, C,
                      mask=mc & (last > 0))  # fmt: skip
 
 
+@triton.jit
+def _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, zk, w_g, b_g,
+                  w_o, b_o, C, L: tl.constexpr, NA: tl.constexpr, F: tl.constexpr,
+                  FO: tl.constexpr, K: tl.constexpr, HAS_BG: tl.constexpr,
+                  HAS_BO: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, BNO: tl.constexpr, PREC: tl.constexpr,
+                  DT: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
+    """The tile's rotation, K gated layers (their z into ``zk`` with ``KEEP``) and
+    the output layer into ``ys``, through the scratch ``u0``, ``u1``; each phase
+    ends at a barrier (the next reads what other threads wrote)."""
+    X: tl.constexpr = NA * 2 * BE * F
+    _rotate(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, C, L, NA, F, BE, BN, DT)
+    tl.debug_barrier()
+    for k in tl.static_range(K):
+        a = u0 if k % 2 == 0 else u1
+        o = u1 if k % 2 == 0 else u0
+        _layer(a, o, w_g + k * (NA * F * F), b_g + k * F, HAS_BG, True, F, F, NA, BE,
+               BN, BK, PREC, DT, zk + k * X, KEEP)  # fmt: skip
+        tl.debug_barrier()
+    a = u0 if K % 2 == 0 else u1
+    _layer(a, ys, w_o, b_o, HAS_BO, False, F, FO, NA, BE, BNO, BK, PREC, DT)
+    tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["E", "n_tiles"])
 def _edge_layer_fwd_kernel(
     h, P, rho, s_re, s_rf, env, src, dst, w_g, b_g, w_o, b_o, scratch, out, part,
@@ -213,17 +237,9 @@ def _edge_layer_fwd_kernel(
         e0 = tl.cast(tile, tl.int64) * BE
         e = e0 + tl.arange(0, BE)
         ok = e < E
-        _rotate(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, C, L, NA, F, BE, BN, DT)
-        tl.debug_barrier()
-        for k in tl.static_range(K):
-            a = u0 if k % 2 == 0 else u1
-            o = u1 if k % 2 == 0 else u0
-            _layer(a, o, w_g + k * (NA * F * F), b_g + k * F, HAS_BG, True, F, F, NA,
-                   BE, BN, BK, PREC, DT)  # fmt: skip
-            tl.debug_barrier()
-        a = u0 if K % 2 == 0 else u1
-        _layer(a, ys, w_o, b_o, HAS_BO, False, F, FO, NA, BE, BNO, BK, PREC, DT)
-        tl.debug_barrier()
+        _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, u0, w_g,
+                      b_g, w_o, b_o, C, L, NA, F, FO, K, HAS_BG, HAS_BO, BE, BN, BK,
+                      BNO, PREC, DT, False)  # fmt: skip
         _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale, C, L,
                          NA, FO, BE, CP, DT)  # fmt: skip
         tl.debug_barrier()
@@ -450,17 +466,9 @@ def _edge_layer_bwd_kernel(
         e0 = tl.cast(tile, tl.int64) * BE
         e = e0 + tl.arange(0, BE)
         ok = e < E
-        _rotate(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, C, L, NA, F, BE, BN, DT)
-        tl.debug_barrier()
-        for k in tl.static_range(K):
-            a = u0 if k % 2 == 0 else u1
-            o = u1 if k % 2 == 0 else u0
-            _layer(a, o, w_g + k * (NA * F * F), b_g + k * F, HAS_BG, True, F, F, NA,
-                   BE, BN, BK, PREC, DT, zk + k * X, True)  # fmt: skip
-            tl.debug_barrier()
-        a = u0 if K % 2 == 0 else u1
-        _layer(a, ys, w_o, b_o, HAS_BO, False, F, FO, NA, BE, BNO, BK, PREC, DT)
-        tl.debug_barrier()
+        _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, zk, w_g,
+                      b_g, w_o, b_o, C, L, NA, F, FO, K, HAS_BG, HAS_BO, BE, BN, BK,
+                      BNO, PREC, DT, True)  # fmt: skip
         d = tl.load(dst + e, mask=ok, other=0)
         _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale, C, L, NA,
                           FO, BE, CP, DT)  # fmt: skip

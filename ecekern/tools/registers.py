@@ -545,21 +545,10 @@ def main() -> int:
     if sys.argv[1:] == ["--zonal-variants"]:
         print(json.dumps(zonal_variants()))
         return 0
-    if sys.argv[1:2] == ["--linear-fp32"]:
-        rows = linear_fp32()
+    tables = {"--linear-fp32": linear_fp32, "--edge-layer": edge_layer_table}
+    if sys.argv[1:2] and sys.argv[1] in tables:
+        rows = tables[sys.argv[1]]()
         if len(sys.argv) > 2:  # a CSV for the book, each row with its provenance
-            from .. import bench
-
-            prov = bench.provenance(
-                command=" ".join(["python -m", __spec__.name, *sys.argv[1:]])
-            )
-            prov["device"] = "none (offline sm_90 build)"
-            bench.write_csv([r | prov for r in rows], sys.argv[2])
-        print(json.dumps(rows))
-        return 0
-    if sys.argv[1:2] == ["--edge-layer"]:
-        rows = edge_layer_table()
-        if len(sys.argv) > 2:
             from .. import bench
 
             prov = bench.provenance(
