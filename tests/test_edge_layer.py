@@ -75,6 +75,7 @@ def _reference(c):
     return reference.aggregate(msg, c["dst"], c["N"], SCALE, c["env"])
 
 
+SLOW = pytest.mark.slow  # the rest of the cases: the GPU run and `make slow`
 CASES = {
     "L2": {},
     "atom-over-three-tiles": {"E": 70},
@@ -89,7 +90,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+FAST = ("L2", "atom-over-three-tiles", "one-edge", "no-edges", "L1")
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=SLOW)
+                                  for n in CASES])  # fmt: skip
 def test_float64_values_match_the_reference_composition(name):
     """Delta to 1e-12 of the reference (through D), and the PyTorch recomputation
     (through P) too, including the tails: no edges, one edge, a segment spanning
@@ -133,11 +138,9 @@ def _grads(c, fn, wrt_weights=False, seed=3):
     return got
 
 
-SLOW = pytest.mark.slow  # each a quarter of a minute in the interpreter
-
-
 @pytest.mark.parametrize("name", [
-    "L2", "one-edge", "no-edges", pytest.param("atom-over-three-tiles", marks=SLOW),
+    "L2", "no-edges", pytest.param("one-edge", marks=SLOW),
+    pytest.param("atom-over-three-tiles", marks=SLOW),
     pytest.param("L1", marks=SLOW), pytest.param("L2-M1", marks=SLOW),
     pytest.param("K1-no-bias", marks=SLOW),
 ])  # fmt: skip
@@ -198,8 +201,9 @@ def test_second_derivatives_pass_gradgradcheck():
         )
 
 
-@pytest.mark.parametrize("precision", ["fp32", "3xtf32", pytest.param("tf32",
-                         marks=SLOW), pytest.param("bf16", marks=SLOW)])  # fmt: skip
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("3xtf32", marks=SLOW),
+                         pytest.param("tf32", marks=SLOW),
+                         pytest.param("bf16", marks=SLOW)])  # fmt: skip
 def test_float32_by_the_three_way_rule(precision):
     """float32 in each precision: the strict and 3xTF32 products within the
     three-way rule of the float32 reference; TF32 and bf16 within their stated
