@@ -238,3 +238,17 @@ def test_a_diverging_run_stops_with_a_clear_error():
     cfg = train.TrainConfig(epochs=3, batch_size=2, lr=1e30, warmup_steps=0)
     with pytest.raises(FloatingPointError, match="diverged"):
         train.fit(_model(), samples[:2], samples[2:], cfg, quiet=True)
+
+
+def test_learning_rate_decays_over_the_time_budget():
+    from ecekern.train.loop import _lr
+
+    cfg = train.TrainConfig(epochs=100, lr=1e-3, warmup_steps=10, max_seconds=60.0)
+    assert _lr(0, 1000, cfg, 0.0) == pytest.approx(1e-4)
+    assert _lr(20, 1000, cfg, 0.0) == pytest.approx(1e-3, rel=1e-3)
+    # half the time gone with a tenth of the steps: the cosine is halfway down
+    lo = cfg.min_lr_ratio * cfg.lr
+    assert _lr(100, 1000, cfg, 30.0) == pytest.approx(lo + (1e-3 - lo) / 2)
+    assert _lr(100, 1000, cfg, 90.0) == pytest.approx(lo)
+    untimed = train.TrainConfig(epochs=100, lr=1e-3, warmup_steps=10)
+    assert _lr(100, 1000, untimed, 90.0) > 0.9e-3

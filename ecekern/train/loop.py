@@ -47,7 +47,8 @@ class TrainConfig:
     decay, the warm-up steps and the cosine's floor (``min_lr_ratio``), the loss
     weights of the module docstring, the EMA's decay, the early-stopping patience
     (epochs), the gradient clipping norm, the shuffling seed, and ``max_seconds``:
-    stop after the epoch that passes this wall time (None: no limit)."""
+    stop after the epoch that passes this wall time, the cosine decaying over it
+    (None: no limit)."""
 
     epochs: int = 100
     batch_size: int = 8
@@ -208,11 +209,15 @@ def init_scale(model, samples: list[Sample], batch_size: int = 32) -> float:
     return scale
 
 
-def _lr(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``cfg.lr``, then a cosine decay to ``min_lr_ratio lr``."""
+def _lr(step: int, total: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
+    """Linear warm-up to ``cfg.lr``, then a cosine decay to ``min_lr_ratio lr``
+    over the steps or, with ``max_seconds``, over the wall time, whichever runs out
+    first (``elapsed``: seconds since training started)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.max_seconds:
+        t = max(t, min(1.0, elapsed / cfg.max_seconds))
     lo = cfg.min_lr_ratio
     return cfg.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * t)))
 
@@ -249,8 +254,9 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
             for i in range(n_batches):
                 b = collate(order[i * cfg.batch_size : (i + 1) * cfg.batch_size],
                             m.config.cutoff, p.dtype, p.device)  # fmt: skip
+                lr = _lr(step, total, cfg, time.perf_counter() - started)
                 for g in opt.param_groups:
-                    g["lr"] = _lr(step, total, cfg)
+                    g["lr"] = lr
                 value, parts = loss(m, b, cfg)
                 if not math.isfinite(float(value.detach())):
                     raise FloatingPointError(
@@ -276,7 +282,7 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
             val_loss = (cfg.energy_weight * (metrics["energy_rmse_meV_atom"] / 1e3) ** 2
                         + cfg.force_weight * metrics["force_rmse"] ** 2
                         + cfg.stress_weight * stress_rmse**2)  # fmt: skip
-            row = {"epoch": epoch + 1, "lr": _lr(step - 1, total, cfg),
+            row = {"epoch": epoch + 1, "lr": lr,
                    "seconds": time.perf_counter() - t0, "train": sums,
                    "val": metrics, "val_loss": val_loss}  # fmt: skip
             history.append(row)
