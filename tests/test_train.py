@@ -252,3 +252,16 @@ def test_learning_rate_decays_over_the_time_budget():
     assert _lr(100, 1000, cfg, 90.0) == pytest.approx(lo)
     untimed = train.TrainConfig(epochs=100, lr=1e-3, warmup_steps=10)
     assert _lr(100, 1000, untimed, 90.0) > 0.9e-3
+
+
+def test_nve_energy_error_scales_as_dt_squared_for_a_smooth_potential():
+    from ase.calculators.emt import EMT
+
+    from ecekern.train import checks
+
+    cu = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    rows = checks.nve_energy_error(EMT(), cu, dts_fs=(1.0, 2.0, 4.0), length_fs=100,
+                                   temperature_K=600)  # fmt: skip
+    assert [r["steps"] for r in rows] == [100, 50, 25]
+    ratios = [b["rms_meV_atom"] / a["rms_meV_atom"] for a, b in zip(rows, rows[1:])]
+    assert ratios == pytest.approx([4.0, 4.0], rel=0.1)

@@ -8,13 +8,19 @@
   (for a supercell of the primitive cell: the crystal's phonons at every q-point the
   supercell folds onto Gamma) from central differences of the forces, each atom
   moved along x, y and z;
-* :func:`rdf`: the radial distribution function g(r) of periodic frames.
+* :func:`rdf`: the radial distribution function g(r) of periodic frames;
+* :func:`nve_energy_error`: velocity Verlet at several time steps from the same
+  start: the total energy's RMS deviation and drift, which for a smooth potential
+  scale as dt^2.
 
-``python -m ecekern.train.checks OUT.json [--quick]`` writes GFN1-xTB's side of the
-training appendix's checks (tblite, on the CPU, minutes; shipped as
-``ecekern/data/carbon_gfn1_checks.json``): diamond's equation of state (the 64-atom
-cubic cell) and its Gamma-point frequencies at xTB's lattice constant (that 2 x 2 x 2
-supercell: the crystal's phonons at Gamma, X and L), with provenance.
+``python -m ecekern.train.checks OUT.json [--quick] [--model NAME_OR_PATH]`` writes
+the training appendix's checks: diamond's equation of state (the 64-atom cubic cell)
+and its Gamma-point frequencies at the fitted lattice constant (that 2 x 2 x 2
+supercell: the crystal's phonons at Gamma, X and L), with provenance. Without
+``--model``, GFN1-xTB's side (tblite, on the CPU, minutes; shipped as
+``ecekern/data/carbon_gfn1_checks.json``); with it, the model's (a name of
+:func:`ecekern.pretrained` or a checkpoint), plus the NVE check on that diamond
+cell at 300 K.
 
 Status: CPU and CUDA (the calculator's device); numpy results.
 """
@@ -23,7 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["diamond_checks", "equation_of_state", "gamma_frequencies", "rdf"]
+__all__ = [
+    "diamond_checks",
+    "equation_of_state",
+    "gamma_frequencies",
+    "nve_energy_error",
+    "rdf",
+]
 
 #: sqrt(eV / (A^2 amu)) in THz: the unit of a frequency from a Hessian in eV/A^2
 #: and masses in amu, divided by 2 pi.
@@ -98,6 +110,51 @@ def rdf(frames, r_max: float = 5.0, n_bins: int = 100) -> tuple:
     return 0.5 * (edges[1:] + edges[:-1]), hist / (shell * norm)
 
 
+def _verlet(a, dt, steps: int, integrator) -> tuple:
+    """Times (ASE units) and total energies per atom minus the start's, per step."""
+    e0, t, es = a.get_total_energy(), [], []
+    dyn = integrator(a, timestep=dt)
+
+    def log():
+        t.append(dyn.get_number_of_steps() * dt)
+        es.append(a.get_total_energy())
+
+    dyn.attach(log)
+    dyn.run(steps)
+    return np.asarray(t), (np.asarray(es) - e0) / len(a)
+
+
+def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 100.0,
+                     temperature_K: float = 300.0, seed: int = 0) -> list:  # fmt: skip
+    """Velocity Verlet for ``length_fs`` at each time step of ``dts_fs`` (fs), from
+    ``atoms`` with Maxwell-Boltzmann velocities at ``temperature_K`` (fixed
+    ``seed``, zero total momentum): per time step, the total energy's RMS
+    deviation from its start (``rms_meV_atom``), its largest (``max_meV_atom``)
+    and its drift (a linear fit, ``drift_meV_atom_ps``), per atom. Verlet's
+    shadow energy makes the deviation scale as dt^2 for a smooth potential; a kink
+    (a force discontinuity at the cutoff) shows as a slower, noisy scaling."""
+    from ase import units
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+    from ase.md.verlet import VelocityVerlet
+
+    start = atoms.copy()
+    MaxwellBoltzmannDistribution(start, temperature_K=temperature_K,
+                                 rng=np.random.default_rng(seed))  # fmt: skip
+    Stationary(start)
+    out = []
+    for dt in dts_fs:
+        a = start.copy()
+        a.set_velocities(start.get_velocities())
+        a.calc = calc
+        t, de = _verlet(a, dt * units.fs, round(length_fs / dt), VelocityVerlet)
+        out.append({"dt_fs": float(dt), "steps": round(length_fs / dt),
+                    "rms_meV_atom": 1e3 * float(np.sqrt(np.mean(de**2))),
+                    "max_meV_atom": 1e3 * float(np.abs(de).max()),
+                    "drift_meV_atom_ps": 1e3 * float(
+                        np.polyfit(t / (1e3 * units.fs), de, 1)[0])})  # fmt: skip
+    return out
+
+
 def diamond_checks(calc, repeats: int = 2, a: float = 3.567) -> dict:
     """Diamond's equation of state (the cubic cell repeated ``repeats`` times) and
     its Gamma-point frequencies (THz) at the fitted lattice constant ``a0``."""
@@ -114,16 +171,34 @@ def diamond_checks(calc, repeats: int = 2, a: float = 3.567) -> dict:
 if __name__ == "__main__":
     import json
     import sys
+    from pathlib import Path
 
-    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
-        sys.exit("usage: python -m ecekern.train.checks OUT.json [--quick]")
-    from tblite.ase import TBLite
-
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-") or args[-1] == "--model":
+        sys.exit("usage: python -m ecekern.train.checks OUT.json [--quick] "
+                 "[--model NAME_OR_PATH]")  # fmt: skip
     from ..bench import provenance
 
-    out = diamond_checks(TBLite(method="GFN1-xTB", verbosity=0),
-                         1 if "--quick" in sys.argv else 2)  # fmt: skip
-    out["calculator"] = "tblite.ase.TBLite(method='GFN1-xTB')"
+    repeats = 1 if "--quick" in args else 2
+    if "--model" in args:
+        from .. import ECEModel, pretrained
+        from ..calculator import ECECalculator
+
+        name = args[args.index("--model") + 1]
+        model = ECEModel.load(name) if Path(name).is_file() else pretrained(name)
+        calc = ECECalculator(model)
+        out = diamond_checks(calc, repeats)
+        from ase.build import bulk
+
+        cell = bulk("C", "diamond", a=out["a0"], cubic=True).repeat(repeats)
+        out["nve"] = nve_energy_error(calc, cell, length_fs=50.0 if repeats == 1
+                                      else 100.0)  # fmt: skip
+        out["calculator"] = f"ecekern.ECECalculator({name!r})"
+    else:
+        from tblite.ase import TBLite
+
+        out = diamond_checks(TBLite(method="GFN1-xTB", verbosity=0), repeats)
+        out["calculator"] = "tblite.ase.TBLite(method='GFN1-xTB')"
     out["provenance"] = {k: str(v) for k, v in provenance().items()}
     with open(sys.argv[1], "w") as fh:
         json.dump(out, fh, indent=1)
