@@ -19,7 +19,6 @@ from .graph import Graph, build_graph, neighbor_list
 from .graph_step import GraphStep
 from .linear import EquivariantLinear
 from .model import ECEConfig, ECEModel, energy_and_forces
-from .models import pretrained
 from .plan import StepPlan, plan_for
 from .zonal import zonal_scatter
 
@@ -48,7 +47,6 @@ __all__ = [
     "neighbor_list",
     "options",
     "plan_for",
-    "pretrained",
     "reference",
     "so3",
     "systems",

@@ -169,8 +169,10 @@ def test_the_command_line_trains_and_refuses_a_mismatched_checkpoint(tmp_path):
     out = tmp_path / "m.pt"
     args = [str(data), "--out", str(out), "--epochs", "2", "--batch-size", "3",
             "--lmax", "1", "--channels", "4", "--n-interactions", "1",
-            "--n-gated", "1", "--cutoff", "3", "--avg-num-neighbors", "10"]  # fmt: skip
+            "--n-gated", "1", "--cutoff", "3", "--avg-num-neighbors", "10",
+            "--state", str(tmp_path / "s.pt")]  # fmt: skip
     assert main(args) == 0
+    assert (tmp_path / "s.pt").is_file()  # the resumable state
     m = ecekern.ECEModel.load(out)
     assert m.config.species == (6,) and m.config.channels == 4
     test = m.metadata["test_metrics"]
@@ -265,3 +267,44 @@ def test_nve_energy_error_scales_as_dt_squared_for_a_smooth_potential():
     assert [r["steps"] for r in rows] == [100, 50, 25]
     ratios = [b["rms_meV_atom"] / a["rms_meV_atom"] for a, b in zip(rows, rows[1:])]
     assert ratios == pytest.approx([4.0, 4.0], rel=0.1)
+
+
+def test_an_interrupted_run_resumes_to_the_same_model(tmp_path, monkeypatch):
+    """A run killed during its third epoch and resumed from its state file ends
+    with the weights, EMA and history of the same run uninterrupted (float64, the
+    same data and options); the log is appended to; a state of another model is
+    refused."""
+    from ecekern.train import loop
+
+    samples = [train.from_atoms(a) for a in _structures(8)]
+    cfg = train.TrainConfig(epochs=4, batch_size=3, lr=5e-3, warmup_steps=2,
+                            patience=100)  # fmt: skip
+    whole = train.fit(_model(), samples[:6], samples[6:], cfg, quiet=True)
+    state, log = tmp_path / "state.pt", tmp_path / "log.jsonl"
+    calls, evaluate = [], loop.evaluate
+
+    def dies_in_epoch_three(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", dies_in_epoch_three)
+    with pytest.raises(KeyboardInterrupt):
+        train.fit(_model(), samples[:6], samples[6:], cfg, state=state, log=log,
+                  quiet=True)  # fmt: skip
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    assert len(log.read_text().splitlines()) == 2
+    other = _model()
+    with torch.no_grad():  # weights the state must replace
+        for q in other.parameters():
+            q.add_(0.1)
+    resumed = train.fit(other, samples[:6], samples[6:], cfg, state=state, log=log,
+                        quiet=True)  # fmt: skip
+    assert len(log.read_text().splitlines()) == 4
+    assert [h["epoch"] for h in resumed.metadata["history"]] == [1, 2, 3, 4]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="another model"):
+        train.fit(_model(channels=8), samples[:6], samples[6:], cfg, state=state,
+                  quiet=True)  # fmt: skip

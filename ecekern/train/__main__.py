@@ -5,7 +5,9 @@ stress), splits them (by ``atoms.info["split"]`` where every structure has one,
 else at random), trains an :class:`~ecekern.ECEModel` (a new one from the model
 options, or ``--init``'s checkpoint, whose config is kept) and writes the best EMA
 model to ``--out`` with its config, the training options and the validation and
-test metrics per family. ``--log`` writes one JSON line per epoch.
+test metrics per family. ``--log`` writes one JSON line per epoch. ``--state FILE``
+makes the run resumable: killed (a time limit, a lost machine), the same command
+continues it from FILE and ends with the model of one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def _args(argv):
     p.add_argument("--out", required=True, help="the checkpoint to write")
     p.add_argument("--log", help="a JSON-lines file of per-epoch metrics")
     p.add_argument("--init", help="start from this checkpoint (its config is kept)")
+    p.add_argument("--state", help="the resumable training state, written each "
+                   "epoch; if the file exists, training continues from it (run "
+                   "the same command again)")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--val", type=float, default=0.1, help="fraction, unlabelled data")
@@ -85,7 +90,8 @@ def main(argv=None) -> int:
     cfg = TrainConfig(**{k: getattr(a, k) for k in names})
     print(f"{len(train)} training, {len(val)} validation, {len(test)} test "
           f"structures; {model.config}", file=sys.stderr)  # fmt: skip
-    best = fit(model, train, val, cfg, out=a.out, log=a.log, init=a.init is None)
+    best = fit(model, train, val, cfg, out=a.out, log=a.log, init=a.init is None,
+               state=a.state)  # fmt: skip
     meta = dict(best.metadata)
     meta["val_metrics"] = evaluate(best, val, cfg.batch_size, by_family=True)
     if test:

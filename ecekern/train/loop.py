@@ -223,13 +223,23 @@ def _lr(step: int, total: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
 
 
 def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
-        out=None, log=None, init: bool = True, quiet: bool = False):  # fmt: skip
+        out=None, log=None, init: bool = True, quiet: bool = False,
+        state=None):  # fmt: skip
     """Train ``model`` (in place) on ``train``, validating on ``val`` each epoch.
 
     Returns the EMA model with the best validation loss (its ``metadata`` holds the
     metrics, the config and the history); saves it to ``out`` (a path) whenever
-    it improves. ``log``: a path to write one JSON line per epoch. ``init``: set the
-    reference energies and the readout's scale first (:func:`init_scale`).
+    it improves. ``log``: a path to write one JSON line per epoch (appended to when
+    resuming). ``init``: set the reference energies and the readout's scale first
+    (:func:`init_scale`).
+
+    ``state``: a path for the resumable state, written after each epoch (the
+    weights, the EMA, AdamW's moments, the step, the wall time spent, the shuffling
+    generator, the best model and the history). If that file exists, training
+    continues from it instead of starting: the same data and ``cfg`` give the same
+    run as one uninterrupted (``max_seconds`` counts the time of every part; a
+    larger one restarts the cosine's decay). A state of another model is a
+    ValueError.
     """
     cfg = cfg or TrainConfig()
     if not train or not val:
@@ -237,7 +247,8 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
     m = unwrap(model)
     p = next(m.parameters())
     rng = random.Random(cfg.seed)
-    if init:
+    saved = _load_state(state, m) if state is not None else None
+    if init and saved is None:
         init_scale(m, train, cfg.batch_size)
     params = [q for n, q in m.named_parameters() if n != "species_energy"]
     m.species_energy.requires_grad_(False)
@@ -245,10 +256,24 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
     ema = copy.deepcopy(m).requires_grad_(False)
     n_batches, started = math.ceil(len(train) / cfg.batch_size), time.perf_counter()
     total, step, best, since, history = cfg.epochs * n_batches, 0, math.inf, 0, []
-    best_state = copy.deepcopy(ema.state_dict())
-    logf = open(log, "w") if log is not None else None  # noqa: SIM115
+    best_state, first = copy.deepcopy(ema.state_dict()), 0
+    if saved is not None:
+        m.load_state_dict(saved["model"])
+        ema.load_state_dict(saved["ema"])
+        opt.load_state_dict(saved["opt"])
+        rng.setstate(saved["rng"])
+        step, best, since = saved["step"], saved["best"], saved["since"]
+        best_state, history, first = (
+            saved["best_state"],
+            saved["history"],
+            saved["epoch"],
+        )
+        started -= saved["elapsed"]
+    logf = open(log, "a" if saved else "w") if log is not None else None  # noqa: SIM115
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(first, cfg.epochs):
+            if epoch == first and saved and _done(cfg, since, saved["elapsed"]):
+                break  # the saved run had stopped
             t0, order, sums = time.perf_counter(), list(train), {}
             rng.shuffle(order)
             for i in range(n_batches):
@@ -301,15 +326,45 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
                     _meta(ema, cfg, metrics, history).save(out)
             else:
                 since += 1
-                if since >= cfg.patience:
-                    break
-            if cfg.max_seconds and time.perf_counter() - started > cfg.max_seconds:
+            elapsed = time.perf_counter() - started
+            if state is not None:
+                torch.save(dict(format="ecekern-train-state", config=m.config.to_dict(),
+                                model=m.state_dict(), ema=ema.state_dict(),
+                                opt=opt.state_dict(), rng=rng.getstate(), step=step,
+                                epoch=epoch + 1, elapsed=elapsed, best=best,
+                                since=since, best_state=best_state, history=history),
+                           state)  # fmt: skip
+            if _done(cfg, since, elapsed):
                 break
     finally:
         if logf is not None:
             logf.close()
     ema.load_state_dict(best_state)
     return _meta(ema, cfg, evaluate(ema, val, cfg.batch_size), history)
+
+
+def _done(cfg: TrainConfig, since: int, elapsed: float) -> bool:
+    """Early stopping's patience is spent, or the wall-time budget."""
+    return since >= cfg.patience or bool(cfg.max_seconds and elapsed > cfg.max_seconds)
+
+
+def _load_state(path, model) -> dict | None:
+    """The resumable state at ``path`` (None if there is no such file), checked to
+    be one of ``model``'s config."""
+    import os
+
+    if not os.path.exists(path):
+        return None
+    saved = torch.load(path, map_location=next(model.parameters()).device,
+                       weights_only=True)  # fmt: skip
+    if not isinstance(saved, dict) or saved.get("format") != "ecekern-train-state":
+        raise ValueError(f"{path} is not a training state of ecekern.train.fit")
+    if saved["config"] != model.config.to_dict():
+        raise ValueError(
+            f"the training state {path} is of another model: {saved['config']} "
+            f"against {model.config.to_dict()}"
+        )
+    return saved
 
 
 def _meta(model, cfg: TrainConfig, metrics: dict, history: list):
