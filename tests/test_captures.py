@@ -674,3 +674,20 @@ def test_the_training_step_part_runs_on_the_cpu(tmp_path):
     rows = _rows(tmp_path / "train_steps.csv")
     assert [r["plan"] for r in rows] == ["defaults", "reference"]
     assert all(float(r["ms"]) > 0 and int(r["n_atoms"]) > 0 for r in rows)
+
+
+def test_the_model_checks_part_runs_on_the_cpu(tmp_path):
+    """The appendix's checks part on a saved small model: the equation of state,
+    the Gamma-point frequencies (3 per atom of the 8-atom cell) and the NVE rows at
+    three time steps; without a checkpoint it says what it needs."""
+    from ecekern import ECEConfig, ECEModel
+    from ecekern.captures import train
+
+    run = runner.Run(tmp_path, quick=True, dev="cpu")
+    assert train.PARTS["checks"](run, "").startswith("skipped")
+    model = ECEModel(ECEConfig(species=(6,), **train.SMOKE))
+    model.save(tmp_path / "m.pt")
+    assert train.PARTS["checks"](run, str(tmp_path / "m.pt")) == "done"
+    out = json.loads((tmp_path / "model_checks.json").read_text())
+    assert len(out["gamma_THz"]) == 24 and len(out["eos"]["energies"]) == 7
+    assert [r["dt_fs"] for r in out["nve"]] == [0.25, 0.5, 1.0]

@@ -1,17 +1,18 @@
-"""The training appendix's capture: what one training step costs.
+"""The training appendix's capture: what one training step costs, and the checks.
 
 * ``step`` -> train_steps.csv (step schema, mode eager): one training step of the
   book's model (the forward, the forces with ``create_graph``, the loss's backward
   through them, AdamW) on batches of 8 and 32 structures of the shipped carbon set,
-  the library's defaults against the reference: milliseconds and peak memory.
-
-The model itself is trained by ``python -m ecekern.train`` (README), which stores
-its metrics, its training log's path and its provenance in the checkpoint; GFN1-xTB's
-side of the physics checks is ``python -m ecekern.train.checks`` (CPU).
-With ``--cpu`` the part runs a small model on 4 structures (a smoke test).
+  the library's defaults against the reference: milliseconds and peak memory (on
+  the CPU a small model on 4 structures: a smoke test);
+* ``checks=CHECKPOINT`` -> model_checks.json: ``train.checks.diamond_checks`` of a
+  model trained by ``python -m ecekern.train`` (README), with
+  the NVE check: its side of GFN1-xTB's shipped ``carbon_gfn1_checks.json``.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -57,4 +58,18 @@ def _step(run, arg: str) -> str:
     return "done"
 
 
-PARTS = {"step": _step}
+def _checks(run, arg: str) -> str:
+    from ..calculator import ECECalculator
+    from ..train.checks import diamond_checks
+
+    if not arg:
+        return "skipped: give the checkpoint, --parts checks=PATH"
+    model = ECEModel.load(arg, map_location=run.dev)
+    out = diamond_checks(ECECalculator(model), 2 if run.dev == "cuda" else 1, nve=True)
+    out["checkpoint"] = {"path": arg, "trained": model.metadata.get("provenance")}
+    (run.out / "model_checks.json").write_text(json.dumps(out, indent=1))
+    return "done"
+
+
+PARTS = {"step": _step, "checks": _checks}
+DEFAULT = "step"

@@ -13,14 +13,13 @@
   start: the total energy's RMS deviation and drift, which for a smooth potential
   scale as dt^2.
 
-``python -m ecekern.train.checks OUT.json [--quick] [--model NAME_OR_PATH]`` writes
-the training appendix's checks: diamond's equation of state (the 64-atom cubic cell)
-and its Gamma-point frequencies at the fitted lattice constant (that 2 x 2 x 2
-supercell: the crystal's phonons at Gamma, X and L), with provenance. Without
-``--model``, GFN1-xTB's side (tblite, on the CPU, minutes; shipped as
-``ecekern/data/carbon_gfn1_checks.json``); with it, the model's (a name of
-:func:`ecekern.pretrained` or a checkpoint), plus the NVE check on that diamond
-cell at 300 K.
+``python -m ecekern.train.checks OUT.json [--quick]`` writes GFN1-xTB's side of the
+training appendix's checks (tblite, on the CPU, minutes; shipped as
+``ecekern/data/carbon_gfn1_checks.json``): diamond's equation of state (the 64-atom
+cubic cell) and its Gamma-point frequencies at xTB's lattice constant (that 2 x 2 x 2
+supercell: the crystal's phonons at Gamma, X and L), with provenance. The trained
+model's side, with the NVE check, is the capture
+``python -m ecekern.captures A_train --parts checks=CHECKPOINT``.
 
 Status: CPU and CUDA (the calculator's device); numpy results.
 """
@@ -50,7 +49,9 @@ def equation_of_state(calc, atoms, strains=STRAINS) -> dict:
     """Energies of ``atoms`` with the cell and positions scaled by ``1 + s`` for
     each linear strain ``s``; the Birch-Murnaghan fit's ``v0`` (A^3 per atom),
     ``e0`` (eV per atom), ``B`` (GPa) and the lattice scale ``a0 / a`` of the
-    input cell, with the points (``volumes``, ``energies``, per atom)."""
+    input cell, with the points (``volumes``, ``energies``, per atom). Where the
+    energies have no minimum the fit can find (an untrained model), those four
+    are None and ``error`` says why."""
     from ase.eos import EquationOfState
     from ase.units import GPa
 
@@ -62,11 +63,15 @@ def equation_of_state(calc, atoms, strains=STRAINS) -> dict:
         a.calc = calc
         vols.append(a.get_volume() / n)
         ens.append(a.get_potential_energy() / n)
-    v0, e0, B = EquationOfState(vols, ens, eos="birchmurnaghan").fit()
+    out = {"volumes": list(map(float, vols)), "energies": list(map(float, ens))}
+    try:
+        v0, e0, B = EquationOfState(vols, ens, eos="birchmurnaghan").fit()
+    except (RuntimeError, ValueError) as err:  # no minimum near the input cell
+        return {"v0": None, "e0": None, "B_GPa": None, "scale": None,
+                "error": f"no Birch-Murnaghan fit: {err}", **out}  # fmt: skip
+    scale = float((v0 * n / atoms.get_volume()) ** (1 / 3))
     return {"v0": float(v0), "e0": float(e0), "B_GPa": float(B / GPa),
-            "scale": float((v0 * n / atoms.get_volume()) ** (1 / 3)),
-            "volumes": list(map(float, vols)),
-            "energies": list(map(float, ens))}  # fmt: skip
+            "scale": scale, **out}  # fmt: skip
 
 
 def gamma_frequencies(calc, atoms, delta: float = 0.01) -> np.ndarray:
@@ -155,51 +160,36 @@ def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 10
     return out
 
 
-def diamond_checks(calc, repeats: int = 2, a: float = 3.567) -> dict:
+def diamond_checks(calc, repeats: int = 2, a: float = 3.567, nve: bool = False) -> dict:
     """Diamond's equation of state (the cubic cell repeated ``repeats`` times) and
-    its Gamma-point frequencies (THz) at the fitted lattice constant ``a0``."""
+    its Gamma-point frequencies (THz) at the fitted lattice constant ``a0`` (at
+    ``a`` where the fit failed); with ``nve``, :func:`nve_energy_error` there."""
     from ase.build import bulk
 
     eos = equation_of_state(calc, bulk("C", "diamond", a=a, cubic=True).repeat(repeats))
-    a0 = a * eos["scale"]
+    a0 = a * eos["scale"] if eos["scale"] else a
     cell = bulk("C", "diamond", a=a0, cubic=True).repeat(repeats)
-    freqs = gamma_frequencies(calc, cell)
-    return {"eos": eos, "a0": a0, "n_atoms": len(cell),
-            "gamma_THz": [float(f) for f in freqs]}  # fmt: skip
+    out = {"eos": eos, "a0": a0, "n_atoms": len(cell),
+           "gamma_THz": [float(f) for f in gamma_frequencies(calc, cell)]}  # fmt: skip
+    if nve:
+        out["nve"] = nve_energy_error(calc, cell)
+    return out
 
 
 if __name__ == "__main__":
     import json
     import sys
-    from pathlib import Path
 
-    args = sys.argv[1:]
-    if not args or args[0].startswith("-") or args[-1] == "--model":
-        sys.exit("usage: python -m ecekern.train.checks OUT.json [--quick] "
-                 "[--model NAME_OR_PATH]")  # fmt: skip
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m ecekern.train.checks OUT.json [--quick]")
+    from tblite.ase import TBLite
+
     from ..bench import provenance
 
-    repeats = 1 if "--quick" in args else 2
-    if "--model" in args:
-        from .. import ECEModel, pretrained
-        from ..calculator import ECECalculator
-
-        name = args[args.index("--model") + 1]
-        model = ECEModel.load(name) if Path(name).is_file() else pretrained(name)
-        calc = ECECalculator(model)
-        out = diamond_checks(calc, repeats)
-        from ase.build import bulk
-
-        cell = bulk("C", "diamond", a=out["a0"], cubic=True).repeat(repeats)
-        out["nve"] = nve_energy_error(calc, cell, length_fs=50.0 if repeats == 1
-                                      else 100.0)  # fmt: skip
-        out["calculator"] = f"ecekern.ECECalculator({name!r})"
-    else:
-        from tblite.ase import TBLite
-
-        out = diamond_checks(TBLite(method="GFN1-xTB", verbosity=0), repeats)
-        out["calculator"] = "tblite.ase.TBLite(method='GFN1-xTB')"
+    out = diamond_checks(TBLite(method="GFN1-xTB", verbosity=0),
+                         1 if "--quick" in sys.argv else 2)  # fmt: skip
+    out["calculator"] = "tblite.ase.TBLite(method='GFN1-xTB')"
     out["provenance"] = {k: str(v) for k, v in provenance().items()}
     with open(sys.argv[1], "w") as fh:
         json.dump(out, fh, indent=1)
-    print(f"a0 {out['a0']:.4f} A, B {out['eos']['B_GPa']:.0f} GPa")
+    print(f"a0 {out['a0']:.4f} A, B {out['eos']['B_GPa']} GPa")
