@@ -34,7 +34,8 @@ from ase.md.verlet import VelocityVerlet
 from .. import ECEModel, bench, energy_and_forces, options, systems
 from ..calculator import ECECalculator
 from ..flops import STAGES, stage_costs
-from ..model import force_step, prepare_inputs
+from ..graph_step import GraphStep
+from ..model import prepare_inputs
 from . import common
 from .stages import OUTSIDE, profile_stages
 
@@ -70,17 +71,16 @@ def waterfall_rows(label, precision, model, inputs, dev, ceil, replay_ms) -> lis
     """The waterfall's rows of one case. Per stage of :data:`ecekern.flops.STAGES`
     (the reference's own passes counted with the stage that folds them,
     :data:`FOLDED`): forward and backward kernel time (two eager steps profiled,
-    :func:`~.stages.profile_stages`), FLOP and bytes
+    :func:`~.stages.profile_stages`, on the replay's padded graph: its spare edge
+    slots cost the stages as in the replay), FLOP and bytes (of the real edges)
     (:func:`ecekern.flops.stage_costs`), its floor at our measured ceilings
     (:func:`~.common.ceilings`, :func:`floor_ms`) and the ratio. Then
     ``(outside the stages)`` (the force step's own kernels: the energy's sum,
     gradient buffers); :data:`GAPS`, the replayed step's time minus every profiled
-    kernel's (the gaps between the graph's kernels and the replay's spare edge
-    slots; negative where the two steps differ more, as with the recomputing
-    cohorts); :data:`STEP`, the replayed step itself."""
+    kernel's (the gaps between the graph's kernels); :data:`STEP`, the replay."""
     pos, numbers, graph = inputs
-    n, E = pos.shape[0], graph.n_edges
-    times = profile_stages(lambda: force_step(model, pos, numbers, graph), dev)
+    n, E, padded = pos.shape[0], graph.n_edges, GraphStep(model, numbers, graphs=False)
+    times = profile_stages(lambda: padded(pos, graph), dev)
     costs = stage_costs(model.config, n, E)
     merged: dict = {}
     for stage, (fwd, bwd) in times.items():  # the reference's own passes, folded
