@@ -137,7 +137,8 @@ def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 10
     deviation from its start (``rms_meV_atom``), its largest (``max_meV_atom``)
     and its drift (a linear fit, ``drift_meV_atom_ps``), per atom. Verlet's
     shadow energy makes the deviation scale as dt^2 for a smooth potential; a kink
-    (a force discontinuity at the cutoff) shows as a slower, noisy scaling."""
+    (a force discontinuity at the cutoff) shows as a slower, noisy scaling. A run
+    in which atoms meet (a potential without repulsion) is a row with ``error``."""
     from ase import units
     from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
     from ase.md.verlet import VelocityVerlet
@@ -151,9 +152,13 @@ def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 10
         a = start.copy()
         a.set_velocities(start.get_velocities())
         a.calc = calc
-        t, de = _verlet(a, dt * units.fs, round(length_fs / dt), VelocityVerlet)
-        out.append({"dt_fs": float(dt), "steps": round(length_fs / dt),
-                    "rms_meV_atom": 1e3 * float(np.sqrt(np.mean(de**2))),
+        row = {"dt_fs": float(dt), "steps": round(length_fs / dt)}
+        try:
+            t, de = _verlet(a, dt * units.fs, row["steps"], VelocityVerlet)
+        except ValueError as err:  # atoms met (the neighbour list refuses them)
+            out.append({**row, "error": str(err)})
+            continue
+        out.append({**row, "rms_meV_atom": 1e3 * float(np.sqrt(np.mean(de**2))),
                     "max_meV_atom": 1e3 * float(np.abs(de).max()),
                     "drift_meV_atom_ps": 1e3 * float(
                         np.polyfit(t / (1e3 * units.fs), de, 1)[0])})  # fmt: skip
