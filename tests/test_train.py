@@ -308,3 +308,29 @@ def test_an_interrupted_run_resumes_to_the_same_model(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="another model"):
         train.fit(_model(channels=8), samples[:6], samples[6:], cfg, state=state,
                   quiet=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz", ".bz2"])
+def test_compressed_files_read_as_the_plain_one(tmp_path, suffix):
+    """A compressed extxyz (decompressed in memory, not seeked in) gives the plain
+    file's samples: positions, energies, forces, stresses and labels."""
+    import bz2
+    import gzip
+    import lzma
+
+    atoms = _structures(3)
+    for i, a in enumerate(atoms):
+        a.info["split"] = ("train", "val", "test")[i]
+    plain = tmp_path / "d.extxyz"
+    write(plain, atoms)
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}[suffix]
+    packed = tmp_path / f"d.extxyz{suffix}"
+    with opener(packed, "wb") as fh:
+        fh.write(plain.read_bytes())
+    a, b = train.read(plain), train.read(packed)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert (x.split, x.family, x.energy) == (y.split, y.family, y.energy)
+        for name in ("positions", "forces", "stress", "cell"):
+            torch.testing.assert_close(getattr(x, name), getattr(y, name), rtol=0,
+                                       atol=0)  # fmt: skip

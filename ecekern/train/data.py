@@ -112,16 +112,37 @@ def from_atoms(atoms) -> Sample:
     )
 
 
+def _read_atoms(path, index) -> list:
+    """ASE's read of ``path``; a ``.xz``, ``.gz`` or ``.bz2`` file is decompressed
+    whole first (ASE's extxyz reader seeks, and every seek in a compressed stream
+    decompresses it again from the start: minutes for the shipped carbon set)."""
+    import bz2
+    import gzip
+    import io
+    import lzma
+    from pathlib import Path
+
+    from ase.io import read as ase_read
+    from ase.io.formats import filetype
+
+    p = Path(path)
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(p.suffix)
+    if opener is None:
+        return ase_read(str(p), index=index)
+    with opener(p, "rt") as fh:
+        text = io.StringIO(fh.read())
+    return ase_read(text, index=index, format=filetype(str(p.with_suffix("")), False))
+
+
 def read(paths, index=":") -> list[Sample]:
     """Every structure of the ASE-readable file(s) ``paths`` (extxyz, compressed
-    ones included: ASE reads ``.xz``, ``.gz`` and ``.bz2``), as samples."""
-    from ase.io import read as ase_read
-
+    ones included: ``.xz``, ``.gz`` and ``.bz2``, decompressed in memory), as
+    samples."""
     if isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__"):
         paths = [paths]
     samples = []
     for path in paths:
-        samples += [from_atoms(a) for a in ase_read(str(path), index=index)]
+        samples += [from_atoms(a) for a in _read_atoms(path, index)]
     if not samples:
         raise ValueError(f"no structures in {[str(p) for p in paths]}")
     return samples
