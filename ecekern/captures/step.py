@@ -36,6 +36,7 @@ from ..calculator import ECECalculator
 from ..flops import STAGES, stage_costs
 from ..graph_step import GraphStep
 from ..model import prepare_inputs
+from ..train.checks import verlet_energies
 from . import common
 from .stages import OUTSIDE, profile_stages
 
@@ -278,19 +279,9 @@ def _tethered(model, anchor):
 def _nve_drift(atoms, length: float) -> dict:
     """Velocity Verlet at :data:`NVE_DT_FS` for ``length`` fs from ``atoms`` (their
     calculator and momenta set): the total energy's drift per atom (a linear fit,
-    meV/atom/ps) and its largest deviation (meV/atom), sampled every 5 steps."""
-    e0, t_fs, es = atoms.get_total_energy(), [], []
-    dyn = VelocityVerlet(atoms, timestep=NVE_DT_FS * units.fs)
-
-    def log():
-        t_fs.append(dyn.get_number_of_steps() * NVE_DT_FS)
-        es.append(atoms.get_total_energy())
-
-    dyn.attach(log, interval=5)
-    dyn.run(round(length / NVE_DT_FS))
-    de = (np.asarray(es) - e0) / len(atoms)
-    slope = np.polyfit(np.asarray(t_fs) / 1000.0, de, 1)[0]
-    return dict(drift_meV_per_atom_ps=1e3 * slope,
+    meV/atom/ps) and its largest deviation (meV/atom), after every step."""
+    t, de = verlet_energies(atoms, NVE_DT_FS, round(length / NVE_DT_FS))
+    return dict(drift_meV_per_atom_ps=1e3 * np.polyfit(t, de, 1)[0],
                 max_dev_meV_per_atom=1e3 * np.abs(de).max())  # fmt: skip
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "gamma_frequencies",
     "nve_energy_error",
     "rdf",
+    "verlet_energies",
 ]
 
 #: sqrt(eV / (A^2 amu)) in THz: the unit of a frequency from a Hessian in eV/A^2
@@ -115,18 +116,23 @@ def rdf(frames, r_max: float = 5.0, n_bins: int = 100) -> tuple:
     return 0.5 * (edges[1:] + edges[:-1]), hist / (shell * norm)
 
 
-def _verlet(a, dt, steps: int, integrator) -> tuple:
-    """Times (ASE units) and total energies per atom minus the start's, per step."""
-    e0, t, es = a.get_total_energy(), [], []
-    dyn = integrator(a, timestep=dt)
+def verlet_energies(atoms, dt_fs: float, steps: int) -> tuple:
+    """``steps`` of velocity Verlet at ``dt_fs`` from ``atoms`` (its calculator and
+    momenta set): the times (ps) and the total energy per atom minus the start's
+    (eV), after each step."""
+    from ase import units
+    from ase.md.verlet import VelocityVerlet
+
+    e0, t, es = atoms.get_total_energy(), [], []
+    dyn = VelocityVerlet(atoms, timestep=dt_fs * units.fs)
 
     def log():
-        t.append(dyn.get_number_of_steps() * dt)
-        es.append(a.get_total_energy())
+        t.append(dyn.get_number_of_steps() * dt_fs * 1e-3)
+        es.append(atoms.get_total_energy())
 
     dyn.attach(log)
     dyn.run(steps)
-    return np.asarray(t), (np.asarray(es) - e0) / len(a)
+    return np.asarray(t), (np.asarray(es) - e0) / len(atoms)
 
 
 def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 100.0,
@@ -139,9 +145,7 @@ def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 10
     shadow energy makes the deviation scale as dt^2 for a smooth potential; a kink
     (a force discontinuity at the cutoff) shows as a slower, noisy scaling. A run
     in which atoms meet (a potential without repulsion) is a row with ``error``."""
-    from ase import units
     from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
-    from ase.md.verlet import VelocityVerlet
 
     start = atoms.copy()
     MaxwellBoltzmannDistribution(start, temperature_K=temperature_K,
@@ -154,14 +158,14 @@ def nve_energy_error(calc, atoms, dts_fs=(0.25, 0.5, 1.0), length_fs: float = 10
         a.calc = calc
         row = {"dt_fs": float(dt), "steps": round(length_fs / dt)}
         try:
-            t, de = _verlet(a, dt * units.fs, row["steps"], VelocityVerlet)
+            t, de = verlet_energies(a, dt, row["steps"])
         except ValueError as err:  # atoms met (the neighbour list refuses them)
             out.append({**row, "error": str(err)})
             continue
         out.append({**row, "rms_meV_atom": 1e3 * float(np.sqrt(np.mean(de**2))),
                     "max_meV_atom": 1e3 * float(np.abs(de).max()),
                     "drift_meV_atom_ps": 1e3 * float(
-                        np.polyfit(t / (1e3 * units.fs), de, 1)[0])})  # fmt: skip
+                        np.polyfit(t, de, 1)[0])})  # fmt: skip
     return out
 
 
