@@ -263,17 +263,13 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
         opt.load_state_dict(saved["opt"])
         rng.setstate(saved["rng"])
         step, best, since = saved["step"], saved["best"], saved["since"]
-        best_state, history, first = (
-            saved["best_state"],
-            saved["history"],
-            saved["epoch"],
-        )
+        best_state, history = saved["best_state"], saved["history"]
+        stopped = _done(cfg, since, saved["elapsed"])  # the saved run had ended
+        first = cfg.epochs if stopped else saved["epoch"]
         started -= saved["elapsed"]
     logf = open(log, "a" if saved else "w") if log is not None else None  # noqa: SIM115
     try:
         for epoch in range(first, cfg.epochs):
-            if epoch == first and saved and _done(cfg, since, saved["elapsed"]):
-                break  # the saved run had stopped
             t0, order, sums = time.perf_counter(), list(train), {}
             rng.shuffle(order)
             for i in range(n_batches):
