@@ -12,7 +12,9 @@ never from each other, so that each chapter stands on its own over one shim:
   kernels were validated on (``GLUON_VALIDATED``), else None, with ``GLUON_REASON``;
 * :func:`why_not_triton`: why a Triton kernel cannot run on a device, or None;
 * ``fma_dot``: ``acc + a @ b`` by IEEE fp32 FMAs in Gluon layouts (None without
-  Gluon), for the strict-fp32 kernels of chapters 2 and 6.
+  Gluon), for the strict-fp32 kernels of chapters 2 and 6;
+* ``round_tf32``, ``round_bf16``: an fp32 tile rounded to TF32 or bfloat16 and kept
+  in fp32 (Triton kernels: the 3xTF32 split and the interpreter's bf16 products).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ __all__ = [
     "split_scale",
     "why_not_triton",
     "fma_dot",
+    "round_bf16",
+    "round_tf32",
 ]
 
 #: Triton kernels run on CPU tensors only when decorated under the interpreter.
@@ -93,6 +97,23 @@ if gluon is not None:
         prec = _semantic._str_to_dot_input_precision("ieee")
         h = _semantic.builder.create_dot(a.handle, b.handle, acc.handle, prec, 0)
         return _gl_tensor(h, acc.type)
+
+
+@triton.jit
+def round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to
+    even), kept in fp32: ``x - round_tf32(x)`` is exact."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in fp32."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
 
 
 def split_scale(scale: float) -> tuple[float, float]:

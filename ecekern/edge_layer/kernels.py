@@ -22,7 +22,7 @@ Precisions (``tl.dot``): ``"ieee"`` (strict fp32, and float64), ``"tf32"``,
 
 from __future__ import annotations
 
-from .._triton import INTERPRET, tl, triton
+from .._triton import INTERPRET, round_bf16, round_tf32, tl, triton
 
 #: Triton's interpreter multiplies bfloat16 wrongly: it gets the operands rounded in
 #: fp32 instead.
@@ -30,32 +30,16 @@ EMULATE_BF16 = tl.constexpr(INTERPRET)
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in fp32."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_tf32(x):
-    """fp32 ``x`` rounded to the nearest TF32 value, kept in fp32 (exact remainder)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _dot(x, w, acc, PREC: tl.constexpr, DT: tl.constexpr):
     """``acc + x @ w`` in the precision ``PREC``."""
     if PREC == "tf32x3":
-        x_hi = _round_tf32(x)
-        w_hi = _round_tf32(w)
+        x_hi = round_tf32(x)
+        w_hi = round_tf32(w)
         c = tl.dot(x - x_hi, w_hi, input_precision="tf32", out_dtype=DT)
         c = tl.dot(x_hi, w - w_hi, c, input_precision="tf32", out_dtype=DT)
         return acc + tl.dot(x_hi, w_hi, c, input_precision="tf32", out_dtype=DT)
     elif PREC == "bf16" and EMULATE_BF16:
-        return tl.dot(_round_bf16(x), _round_bf16(w), acc, input_precision="ieee")
+        return tl.dot(round_bf16(x), round_bf16(w), acc, input_precision="ieee")
     elif PREC == "bf16":
         return tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc, out_dtype=DT)
     else:

@@ -36,7 +36,7 @@ import torch
 
 from .._stack_common import planes as _planes
 from .._stack_common import split_tf32
-from .._triton import INTERPRET, tl, triton
+from .._triton import INTERPRET, round_bf16, round_tf32, tl, triton
 
 __all__ = ["TILES"]
 
@@ -57,23 +57,6 @@ EMULATE_BF16 = tl.constexpr(INTERPRET)
 # the kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _round_bf16(x):
-    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in fp32."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_tf32(x):
-    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to
-    even), kept in fp32: ``x - _round_tf32(x)`` is exact."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
         DT: tl.constexpr, SLO: tl.constexpr = 0):  # fmt: skip
@@ -90,7 +73,7 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
         x = tl.load(a + row[:, None] * KIN + (k0 + kk)[None, :], mask=ok[:, None],
                     other=0.0)  # fmt: skip
         if PREC == "tf32x3":  # lo hi + hi lo + hi hi, each a TF32 product
-            x_hi = _round_tf32(x)
+            x_hi = round_tf32(x)
             c = tl.dot(x - x_hi, wt, input_precision="tf32", out_dtype=DT)
             c = tl.dot(x_hi, tl.load(at + SLO), c, input_precision="tf32",
                        out_dtype=DT)  # fmt: skip
@@ -99,7 +82,7 @@ def _mm(a, row, ok, w, SWO: tl.constexpr, n0, KIN: tl.constexpr, BE: tl.constexp
             # accuracy on the H200 (chapter 6's lab notes)
             acc += tl.dot(x_hi, wt, c, input_precision="tf32", out_dtype=DT)
         elif PREC == "bf16" and EMULATE_BF16:  # the interpreter's bf16 dot is wrong
-            acc = tl.dot(_round_bf16(x), _round_bf16(wt), acc, input_precision="ieee")
+            acc = tl.dot(round_bf16(x), round_bf16(wt), acc, input_precision="ieee")
         elif PREC == "bf16":
             acc = tl.dot(x.to(tl.bfloat16), wt.to(tl.bfloat16), acc, out_dtype=DT)
         else:

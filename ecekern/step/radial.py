@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from .. import options, reference
 from .._autograd import engine_uses, grad_node, library_op, torch_grads, wrap_triton
 from .._stack_common import PRECISIONS, kernel_precision, split_tf32
-from .._triton import split_scale, tl, triton, why_not_triton
+from .._triton import round_tf32, split_scale, tl, triton, why_not_triton
 
 __all__ = ["RadialLaunch", "radial", "radial_reference", "why_not"]
 
@@ -80,15 +80,6 @@ MAX_RBF, MAX_HIDDEN = 64, 128
 # --------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------
-@triton.jit
-def _round_tf32(x):
-    """fp32 ``x`` rounded to the nearest TF32 value, kept in fp32 (``x -
-    _round_tf32(x)`` is exact)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _mm(a, w_ptr, offs_i, offs_o, IN: tl.constexpr, OUT: tl.constexpr, acc,
         FWD: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
@@ -104,7 +95,7 @@ def _mm(a, w_ptr, offs_i, offs_o, IN: tl.constexpr, OUT: tl.constexpr, acc,
         mask = (offs_o < OUT)[:, None] & (offs_i < IN)[None, :]
     w = tl.load(at, mask=mask, other=0.0)
     if PREC == "tf32x3":  # lo hi + hi lo + hi hi, each a TF32 product
-        a_hi = _round_tf32(a)
+        a_hi = round_tf32(a)
         c = tl.dot(a - a_hi, w, input_precision="tf32")
         w_lo = tl.load(at + OUT * IN, mask=mask, other=0.0)
         c = tl.dot(a_hi, w_lo, c, input_precision="tf32")
