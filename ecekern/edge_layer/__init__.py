@@ -14,7 +14,9 @@ Shapes: ``h (N, S, C)``, ``P (E, S, 2, n_ang)``, ``rho (E, F)`` with ``F = 2C(L+
 (any strides), ``env (E,)``, ``src, dst (E,)`` int64 with ``dst`` sorted and
 ``row_ptr (N+1,)`` its CSR pointer, ``weights`` K tensors ``(n_ang, F, F)``,
 ``biases`` K tensors ``(F,)`` or None, ``weight_out (n_ang, C'(L+1), F)``,
-``bias_out (C'(L+1),)`` or None; ``Delta (N, S, C')``.
+``bias_out (C'(L+1),)`` or None; ``Delta (N, S, C')``. ``scale`` reaches the
+kernels as two float32 parts (:func:`~ecekern._triton.split_scale`): Triton passes a
+Python float as float32, which alone would cost float64 results 1e-8.
 
 Gradients. A force step's backward (no parameter asks for a gradient) is one more
 kernel per edge tile: the tile recomputed (each gated layer's z and the output y
@@ -43,7 +45,7 @@ import torch
 
 from .. import options, reference
 from .._autograd import engine_uses, grad_node, torch_grads
-from .._triton import tl, triton, why_not_triton
+from .._triton import split_scale, tl, triton, why_not_triton
 from ..graph import csr_order
 from ..so3 import lm_tables
 from .kernels import (
@@ -152,7 +154,7 @@ def _forward(h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_out,
             h.contiguous(), P.contiguous(), rho, rho.stride(0), rho.stride(1),
             env.contiguous(), src.contiguous(), dst.contiguous(),
             *_stack_args(weights, biases, w_out, b_out),
-            scratch, out, part, float(scale), E, n_tiles, C,
+            scratch, out, part, *split_scale(scale), E, n_tiles, C,
             **_meta(L, NA, F, FO, len(weights), biases, b_out, precision, h.dtype),
         )  # fmt: skip
     _boundary_kernel[(N,)](row_ptr.contiguous(), dst.contiguous(), part, out, E, Cp,
@@ -216,7 +218,8 @@ def _backward(G, h, P, rho, env, src, dst, row_ptr, weights, biases, w_out, b_ou
             G.contiguous(), h.contiguous(), P.contiguous(), rho, rho.stride(0),
             rho.stride(1), env.contiguous(), src.contiguous(), dst.contiguous(),
             *_stack_args(weights, biases, w_out, b_out), scratch, dh, part, dsrc, dP,
-            drho, drho.stride(0), drho.stride(1), denv, float(scale), E, n_tiles, C,
+            drho, drho.stride(0), drho.stride(1), denv, *split_scale(scale), E, n_tiles,
+            C,
             BKO=_block(FO, BLOCK_N), C2=max(16, triton.next_power_of_2(2 * C)),
             **meta,
         )  # fmt: skip

@@ -132,9 +132,9 @@ def _layer(us, os, w, b, HAS_B: tl.constexpr, GATE: tl.constexpr, KIN: tl.conste
 
 
 @triton.jit
-def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale, C,
-                     L: tl.constexpr, NA: tl.constexpr, FO: tl.constexpr,
-                     BE: tl.constexpr, CP: tl.constexpr,
+def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale_hi,
+                     scale_lo, C, L: tl.constexpr, NA: tl.constexpr,
+                     FO: tl.constexpr, BE: tl.constexpr, CP: tl.constexpr,
                      DT: tl.constexpr):  # fmt: skip
     """``msg[e, s, c] = k w_e sum_{t, m} P[e, s, t, m] y_t[e, c (L+1) + l(s), m]``,
     summed per dst segment of the tile by a one-hot product: inner segments into
@@ -150,7 +150,8 @@ def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale, C,
     last = tl.max(tl.where(ok, seg, 0), 0)
     onehot = tl.where((rows[:, None] == seg[None, :]) & ok[None, :], 1.0, 0.0).to(DT)
     node = tl.max(tl.where(rows[:, None] == seg[None, :], d[None, :], -1), 1)
-    w = tl.load(env + e, mask=ok, other=0.0).to(DT) * scale
+    w = tl.load(env + e, mask=ok, other=0.0).to(DT)
+    w = w * scale_hi + w * scale_lo  # scale to 48 bits in float64
     inner = (rows > 0) & (rows < last)
     for l in tl.static_range(L + 1):
         for i in tl.static_range(2 * l + 1):
@@ -203,7 +204,7 @@ def _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, zk, w_g, b
 @triton.jit(do_not_specialize=["E", "n_tiles"])
 def _edge_layer_fwd_kernel(
     h, P, rho, s_re, s_rf, env, src, dst, w_g, b_g, w_o, b_o, scratch, out, part,
-    scale, E, n_tiles, C,
+    scale_hi, scale_lo, E, n_tiles, C,
     L: tl.constexpr, NA: tl.constexpr, F: tl.constexpr, FO: tl.constexpr,
     K: tl.constexpr, HAS_BG: tl.constexpr, HAS_BO: tl.constexpr, BE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BNO: tl.constexpr, CP: tl.constexpr,
@@ -224,8 +225,8 @@ def _edge_layer_fwd_kernel(
         _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, u0, w_g,
                       b_g, w_o, b_o, C, L, NA, F, FO, K, HAS_BG, HAS_BO, BE, BN, BK,
                       BNO, PREC, DT, False)  # fmt: skip
-        _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale, C, L,
-                         NA, FO, BE, CP, DT)  # fmt: skip
+        _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale_hi,
+                         scale_lo, C, L, NA, FO, BE, CP, DT)  # fmt: skip
         tl.debug_barrier()
 
 
@@ -273,8 +274,8 @@ def _segments(dst, e, ok, BE: tl.constexpr):
 
 
 @triton.jit
-def _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale, C,
-                      L: tl.constexpr, NA: tl.constexpr, FO: tl.constexpr,
+def _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale_hi, scale_lo,
+                      C, L: tl.constexpr, NA: tl.constexpr, FO: tl.constexpr,
                       BE: tl.constexpr, CP: tl.constexpr,
                       DT: tl.constexpr):  # fmt: skip
     """From ``G = dLoss/dDelta``: ``dy_t[e, c (L+1) + l, m] = k w_e sum_{s in l}
@@ -286,7 +287,8 @@ def _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale, C,
     c = tl.arange(0, CP)
     mc = c < C
     m2 = ok[:, None] & mc[None, :]
-    w = tl.load(env + e, mask=ok, other=0.0).to(DT) * scale
+    w = tl.load(env + e, mask=ok, other=0.0).to(DT)
+    w = w * scale_hi + w * scale_lo  # scale to 48 bits in float64
     dw = tl.zeros((BE,), DT)
     for l in tl.static_range(L + 1):
         for m in tl.static_range(NA):
@@ -308,7 +310,7 @@ def _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale, C,
                     tl.store(dP + at, tl.sum(y * g, 1) * w, mask=ok)
                 dw += tl.sum(y * acc, 1)
                 tl.store(dys + col, acc * w[:, None], mask=mc[None, :])
-    tl.store(denv + e, dw * scale, mask=ok)
+    tl.store(denv + e, dw * scale_hi + dw * scale_lo, mask=ok)
 
 
 @triton.jit
@@ -427,7 +429,8 @@ def _rotate_adjoint(dxs, h, P, rho, s_re, s_rf, src, dst, e, ok, tile, dP, drho,
 @triton.jit(do_not_specialize=["E", "n_tiles"])
 def _edge_layer_bwd_kernel(
     G, h, P, rho, s_re, s_rf, env, src, dst, w_g, b_g, w_o, b_o, scratch,
-    dh, part, dsrc, dP, drho, s_de, s_df, denv, scale, E, n_tiles, C,
+    dh, part, dsrc, dP, drho, s_de, s_df, denv, scale_hi, scale_lo, E, n_tiles,
+    C,
     L: tl.constexpr, NA: tl.constexpr, F: tl.constexpr, FO: tl.constexpr,
     K: tl.constexpr, HAS_BG: tl.constexpr, HAS_BO: tl.constexpr, BE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BNO: tl.constexpr, BKO: tl.constexpr,
@@ -454,8 +457,8 @@ def _edge_layer_bwd_kernel(
                       b_g, w_o, b_o, C, L, NA, F, FO, K, HAS_BG, HAS_BO, BE, BN, BK,
                       BNO, PREC, DT, True)  # fmt: skip
         d = tl.load(dst + e, mask=ok, other=0)
-        _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale, C, L, NA,
-                          FO, BE, CP, DT)  # fmt: skip
+        _unrotate_adjoint(ys, dys, P, env, G, d, e, ok, dP, denv, scale_hi, scale_lo,
+                          C, L, NA, FO, BE, CP, DT)  # fmt: skip
         tl.debug_barrier()
         _transposed(dys, du0, du0, w_o, False, FO, F, NA, BE, BN, BKO, PREC, DT)
         tl.debug_barrier()

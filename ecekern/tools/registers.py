@@ -525,7 +525,7 @@ def edge_layer_table(blocks=((64, 4), (32, 8))) -> list[dict]:
         blocks, ("ieee", "tf32x3", "tf32", "bf16"),
         (("forward", K._edge_layer_fwd_kernel), ("backward", K._edge_layer_bwd_kernel)),
     ):  # fmt: skip
-        types = {n: "*i64" if n in ("src", "dst") else "fp32" if n == "scale"
+        types = {n: "*i64" if n in ("src", "dst") else "fp32" if n.startswith("scale")
                  else "*fp32" for n in k.arg_names if n not in ints}  # fmt: skip
         const = dict(L=2, NA=3, F=192, FO=96, K=2, HAS_BG=True, HAS_BO=True,
                      BE=BLOCK_E, BN=block, BK=block, BNO=32, CP=32, DT=float32,
