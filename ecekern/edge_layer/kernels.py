@@ -139,6 +139,7 @@ def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale_hi,
     """``msg[e, s, c] = k w_e sum_{t, m} P[e, s, t, m] y_t[e, c (L+1) + l(s), m]``,
     summed per dst segment of the tile by a one-hot product: inner segments into
     ``out`` (N, S, C'), the first and last into ``part[tile]`` (2, S, C')."""
+    # [book: el-reduce]
     S: tl.constexpr = (L + 1) * (L + 1)
     rows = tl.arange(0, BE)
     c = tl.arange(0, CP)
@@ -175,6 +176,7 @@ def _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale_hi,
             tl.store(first + S * C,
                      tl.sum(tl.where((rows == last)[:, None], sums, 0.0), 0),
                      mask=mc & (last > 0))  # fmt: skip
+    # [/book: el-reduce]
 
 
 @triton.jit
@@ -187,6 +189,7 @@ def _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, zk, w_g, b
     """The tile's rotation, K gated layers (their z into ``zk`` with ``KEEP``) and
     the output layer into ``ys``, through the scratch ``u0``, ``u1``; each phase
     ends at a barrier (the next reads what other threads wrote)."""
+    # [book: el-tile]
     X: tl.constexpr = NA * 2 * BE * F
     _rotate(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, C, L, NA, F, BE, BN, DT)
     tl.debug_barrier()
@@ -199,6 +202,7 @@ def _tile_forward(h, P, rho, s_re, s_rf, src, dst, e, ok, u0, u1, ys, zk, w_g, b
     a = u0 if K % 2 == 0 else u1
     _layer(a, ys, w_o, b_o, HAS_BO, False, F, FO, NA, BE, BNO, BK, PREC, DT)
     tl.debug_barrier()
+    # [/book: el-tile]
 
 
 @triton.jit(do_not_specialize=["E", "n_tiles"])
@@ -213,6 +217,7 @@ def _edge_layer_fwd_kernel(
     """Tiles ``pid, pid + n_programs, ...``: rotate, K gated layers and the output
     layer, unrotate and reduce, each phase ending at a barrier (the next reads what
     other threads wrote to the program's scratch)."""
+    # [book: el-fwd]
     pid = tl.program_id(0)
     per: tl.constexpr = NA * 2 * BE * (2 * F + FO)
     u0 = scratch + pid.to(tl.int64) * per
@@ -228,6 +233,7 @@ def _edge_layer_fwd_kernel(
         _unrotate_reduce(ys, P, env, dst, e, ok, e0, E, tile, out, part, scale_hi,
                          scale_lo, C, L, NA, FO, BE, CP, DT)  # fmt: skip
         tl.debug_barrier()
+    # [/book: el-fwd]
 
 
 @triton.jit(do_not_specialize=["E"])
@@ -449,6 +455,7 @@ def _edge_layer_bwd_kernel(
     du1 = du0 + X
     ys = du1 + X
     dys = ys + NA * 2 * BE * FO
+    # [book: el-bwd]
     for tile in range(pid, n_tiles, tl.num_programs(0)):
         e0 = tl.cast(tile, tl.int64) * BE
         e = e0 + tl.arange(0, BE)
@@ -476,6 +483,7 @@ def _edge_layer_bwd_kernel(
                         s_de, s_df, dh, part, dsrc, C, L, NA, F, BE, C2,
                         DT)  # fmt: skip
         tl.debug_barrier()
+    # [/book: el-bwd]
 
 
 @triton.jit
