@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -347,7 +348,6 @@ def _done(cfg: TrainConfig, since: int, elapsed: float) -> bool:
 def _load_state(path, model) -> dict | None:
     """The resumable state at ``path`` (None if there is no such file), checked to
     be one of ``model``'s config."""
-    import os
 
     if not os.path.exists(path):
         return None
