@@ -15,6 +15,11 @@ def _offline_sm90_module(module, *flags):
     """``python -m MODULE FLAGS`` as parsed JSON, in a process without the
     interpreter (which would replace the kernels by Python functions); skips where
     Triton's NVIDIA tools are missing."""
+    return _offline_sm90_argv("-m", module, *flags)
+
+
+def _offline_sm90_argv(*argv):
+    """``python ARGV``'s output as parsed JSON, as :func:`_offline_sm90_module`."""
     import os
     import subprocess
     import sys
@@ -30,7 +35,7 @@ def _offline_sm90_module(module, *flags):
         pytest.skip(f"offline builds are checked on Triton {GLUON_VALIDATED} only")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run(
-        [sys.executable, "-m", module, *flags],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
         env=env,
@@ -134,3 +139,38 @@ def test_chapter_7s_kernels_build_for_sm90():
     assert len(rows["geometry"]) == 20
     for r in rows["geometry"]:
         assert r["stack_bytes"] == 0 and 0 < r["registers"] <= 255, r
+
+
+_LINEAR_X_PRODUCTS = """
+import json
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ecekern._triton import triton
+from ecekern.linear import triton_modes
+from ecekern.tools.registers import H200, _as_jit
+E, F = 3_000_000, 192  # m = 2 times the mode stride 2 E F passes 2^31
+args = {n: "*fp32" for n in ("x_ptr", "w_ptr", "w_desc", "b_ptr", "y_ptr")} | dict(
+    B=E, K=F, O=F, stride_x_b=F, stride_x_k=1, stride_x_m=2 * E * F,
+    stride_w_m=F * F, stride_w_o=F, stride_w_k=1, stride_y_b=3 * F, stride_y_o=3,
+    stride_y_m=1)
+const = dict(N_ANG=3, NA_PAD=4, HAS_BIAS=True, BLOCK_B=64, BLOCK_K=32, BLOCK_O=64,
+             PRECISION="ieee", UPCAST=False, ACC_DTYPE=triton.language.float32,
+             PREFETCH=False, STORE3=False, W_DESC=0, JOIN=False)
+k = triton_modes._eqlin_fwd_kernel
+sig, c, attrs = _as_jit(k, args, const)
+src = ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs)
+ttir = triton.compile(src, target=GPUTarget(*H200)).asm["ttir"]
+print(json.dumps([line.split(" loc(")[0].strip() for line in ttir.splitlines()
+                  if "arith.muli" in line and "%stride_x" in line]))
+"""
+
+
+def test_linear_offsets_of_a_planes_view_are_int64():
+    """The linears take x of any strides; a planes pair's rows ``(E, F, n_ang)`` have
+    the mode stride ``2 E F``, an int32 below 5.6M edges at F = 192, and m = 2 times
+    it passes 2^31 from 2.8M edges: the Triton kernel multiplies x's strides in int64
+    (read from its sm_90 TTIR: the interpreter cannot hold such a tensor)."""
+    products = _offline_sm90_argv("-c", _LINEAR_X_PRODUCTS)
+    assert products, "no product of x's strides in the TTIR"
+    for line in products:
+        assert line.endswith(": i64"), line

@@ -17,9 +17,9 @@ with ``tl.join``, ``w_desc`` reads W by the bulk copy engine.
 
 Bytes: ``s B n_ang (K + O)`` for x and y plus W; flops ``2 B K O n_ang``.
 
-Status: n_ang <= ``MAX_N_ANG`` (the model's L <= 4), any B, K, O (masked), int64 row
-offsets; runs in Triton's interpreter (bf16 and fp16 dots upcast there, where they are
-wrong). Serves every case the Gluon kernels do not.
+Status: n_ang <= ``MAX_N_ANG`` (the model's L <= 4), any B, K, O (masked), int64
+offsets of x's rows and modes; runs in Triton's interpreter (bf16 and fp16
+dots upcast there, where they are wrong). Serves every case the Gluon kernels do not.
 """
 
 from __future__ import annotations
@@ -152,6 +152,9 @@ def _eqlin_fwd_kernel(
     its own launch; the bias only on the cos launch)."""
     pid_o = tl.program_id(0)  # the O tiles of one row block run side by side:
     pid_b = tl.program_id(1)  # x is read from DRAM once, then from L2
+    # int64: m times a planes pair's mode stride (2 E F) passes 2^31 from 2.8M edges
+    # of F = 192, while the stride itself is an int32 (below 5.6M)
+    stride_x_m = tl.cast(stride_x_m, tl.int64)
     # int64 row offsets: B * row stride can pass 2^31
     offs_b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     o0 = pid_o * BLOCK_O
