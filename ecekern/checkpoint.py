@@ -20,6 +20,7 @@ initial parameters, which the state dict replaces). A state dict without the ent
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -133,8 +134,10 @@ def save(model, path, metadata: dict | None = None) -> None:
             "state_dict": state,
             "metadata": metadata,
         },
-        path,
+        f"{path}.part" if isinstance(path, str | os.PathLike) else path,
     )
+    if isinstance(path, str | os.PathLike):  # renamed whole: never a torn file
+        os.replace(f"{path}.part", path)
 
 
 def load(cls, path, map_location=None):
