@@ -97,8 +97,17 @@ CASES = [
 IDS = ["L2", "L1", "L3-M1", "L4", "C17", "one-edge", "M0"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("E, N, L, M, C, Cp", CASES, ids=IDS)
+#: the table layout's largest cases run with `make slow` and on the GPU (the packed
+#: layout, the library's, keeps every case in the CPU suite)
+SLOW_TABLE = ("L3-M1", "L4", "C17")
+
+
+@pytest.mark.parametrize(
+    "variant, E, N, L, M, C, Cp",
+    [pytest.param(v, *case, id=f"{i}-{v}",
+                  marks=[pytest.mark.slow] if v == "table" and i in SLOW_TABLE else [])
+     for case, i in zip(CASES, IDS) for v in VARIANTS],
+)  # fmt: skip
 def test_fp64_matches_reference(variant, E, N, L, M, C, Cp):
     leaves, graph = _inputs(E, N, L, M, C, Cp)
 
@@ -562,7 +571,11 @@ def test_gpu_compiled_model_with_the_edge_frame_kernels_equals_eager():
 # --------------------------------------------------------------------------------------
 # torch.library ops and torch.compile
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("row_ptr_given", [True, False], ids=["csr", "perm"])
+@pytest.mark.parametrize(
+    "row_ptr_given",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # perm: `make slow`, GPU
+    ids=["csr", "perm"],
+)
 def test_library_ops_pass_opcheck(row_ptr_given):
     """The four ops: schema, fake implementation (shapes and strides of the outputs,
     the planes layout included) and AOT dispatch, against the kernels (custom ops in
