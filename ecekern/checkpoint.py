@@ -125,7 +125,7 @@ def save(model, path, metadata: dict | None = None) -> None:
         )
     state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
              for k, v in model.state_dict().items()}  # fmt: skip
-    torch.save(
+    write_whole(
         {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -134,10 +134,19 @@ def save(model, path, metadata: dict | None = None) -> None:
             "state_dict": state,
             "metadata": metadata,
         },
-        f"{path}.part" if isinstance(path, str | os.PathLike) else path,
+        path,
     )
-    if isinstance(path, str | os.PathLike):  # renamed whole: never a torn file
-        os.replace(f"{path}.part", path)
+
+
+def write_whole(obj, path) -> None:
+    """``torch.save(obj, path)``, written to ``path.part`` and renamed: a process
+    killed while writing (a time limit, a lost machine) leaves the previous file
+    whole. A file object is written directly."""
+    if not isinstance(path, str | os.PathLike):
+        torch.save(obj, path)
+        return
+    torch.save(obj, f"{os.fspath(path)}.part")
+    os.replace(f"{os.fspath(path)}.part", path)
 
 
 def load(cls, path, map_location=None):

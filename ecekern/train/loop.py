@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checkpoint import write_whole
 from ..graph import Graph
 from ..model import unwrap
 from .data import Batch, Sample, collate, fit_reference_energies
@@ -325,15 +326,13 @@ def fit(model, train: list[Sample], val: list[Sample], cfg: TrainConfig = None,
                 since += 1
             elapsed = time.perf_counter() - started
             if state is not None:
-                # written aside, then renamed: a run killed while saving keeps
-                # the previous epoch's state whole
-                torch.save(dict(format="ecekern-train-state", config=m.config.to_dict(),
-                                model=m.state_dict(), ema=ema.state_dict(),
-                                opt=opt.state_dict(), rng=rng.getstate(), step=step,
-                                epoch=epoch + 1, elapsed=elapsed, best=best,
-                                since=since, best_state=best_state, history=history),
-                           f"{state}.part")  # fmt: skip
-                os.replace(f"{state}.part", state)
+                now = dict(format="ecekern-train-state", config=m.config.to_dict(),
+                           model=m.state_dict(), ema=ema.state_dict(),
+                           opt=opt.state_dict(), rng=rng.getstate(), step=step,
+                           epoch=epoch + 1, elapsed=elapsed, best=best,
+                           since=since, best_state=best_state,
+                           history=history)  # fmt: skip
+                write_whole(now, state)
             if _done(cfg, since, elapsed):
                 break
     finally:
