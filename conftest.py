@@ -2,7 +2,6 @@
 variable is read when ``@triton.jit`` runs, so it is set before ecekern is imported)."""
 
 import os
-import struct
 
 import pytest
 
@@ -78,8 +77,10 @@ def float_args_off_the_gpu(kernel, arg_names, constexprs, args, kwargs) -> str |
 
 def _is_fp32(x: float) -> bool:
     """Whether x is a float32 number (NaN and infinities are)."""
+    from ecekern._triton import _to_fp32  # imported after the environment is set
+
     try:
-        return x != x or struct.unpack("f", struct.pack("f", x))[0] == x
+        return x != x or _to_fp32(x) == x
     except OverflowError:  # finite, past float32's range
         return False
 
